@@ -1,0 +1,36 @@
+"""torchbearer_dist: make a standard torchbearer Trial train data-parallel by adding callbacks."""
+from torchbearer_dist.callbacks import (
+    SKIPPED_STEPS,
+    AgreeOnStop,
+    AllReduceGradients,
+    BroadcastParameters,
+    CheckReplicas,
+    EvenBatches,
+    FlattenImages,
+    RankZeroOnly,
+    RankZeroOutput,
+    ReduceMetrics,
+    SetSamplerEpoch,
+    distributed_callbacks,
+)
+from torchbearer_dist.comm import rank as get_rank
+from torchbearer_dist.comm import world_size as get_world_size
+from torchbearer_dist.ddp import wrap_ddp
+from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
+from torchbearer_dist.faults import PeerFailedError
+from torchbearer_dist.launcher import launch
+from torchbearer_dist.rendezvous import destroy_process_group, init_process_group, process_group
+
+__version__ = '0.1.0'
+
+
+def is_main_process():
+    """True on global rank 0, and in a job of one process: where to print and save."""
+    return get_rank() == 0
+
+
+__all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'DEFAULT_TIMEOUT',
+           'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly', 'RankZeroOutput',
+           'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group', 'distributed_callbacks',
+           'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch', 'process_group',
+           'resolve', 'wrap_ddp', '__version__']

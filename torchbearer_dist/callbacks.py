@@ -1,0 +1,576 @@
+"""The Trial-facing callbacks: thin torchbearer :class:`~torchbearer.callbacks.Callback` classes over :mod:`.comm`.
+
+Each works with no arguments once the process group is up, and does nothing in a job of one
+process, so the same Trial runs unchanged with and without distribution.
+"""
+import warnings
+
+import torch
+import torchbearer
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+from torchbearer import Callback
+from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
+from torchbearer.callbacks.checkpointers import _Checkpointer
+
+from torchbearer_dist import comm
+from torchbearer_dist.buckets import GradientBuckets
+
+#: State key: how many steps were skipped because the averaged gradients were not finite.
+SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
+
+
+def _unwrap(model):
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class BroadcastParameters(Callback):
+    """Copy rank 0's parameters and buffers to every rank when the Trial is created.
+
+    First checks, with one small exchange of a fingerprint, that every rank holds the same
+    parameter and buffer names, shapes and dtypes; on a mismatch every rank raises, naming the first
+    entry that differs. Values are copied, never averaged.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> from torchbearer_dist import BroadcastParameters
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[BroadcastParameters()])
+
+    Args:
+        method (str): ``'broadcast'`` (one collective per dtype) or ``'p2p'`` (``send`` from rank 0
+            and ``recv`` on the others, as in the PyTorch tutorial)
+        src (int): the rank whose values every rank takes
+
+    Raises:
+        ValueError: an unknown ``method``
+
+    State Requirements:
+        - :attr:`torchbearer.state.MODEL`: the model to synchronize, set on Trial init
+
+    .. warning:: A synchronization point: every rank must create its Trial.
+    """
+
+    def __init__(self, method='broadcast', src=0):
+        super().__init__()
+        if method not in ('broadcast', 'p2p'):
+            raise ValueError("method should be 'broadcast' or 'p2p', but given {!r}".format(method))
+        self.method = method
+        self.src = src
+
+    def on_init(self, state):
+        model = state[torchbearer.MODEL]
+        if not isinstance(model, torch.nn.Module) or comm.world_size() == 1:
+            return
+        comm.check_same_model(model, self.src)
+        comm.broadcast_state(model, self.src, self.method)
+
+
+class AgreeOnStop(Callback):
+    """Make every rank stop at the same step when a callback on any rank stops training.
+
+    A callback such as TerminateOnNaN sees only its own rank's loss; if it stopped that rank alone,
+    the others would wait for it in their next collective. A stop set in ``on_step_training`` is
+    held back and shared with every rank, which all stop after the next step; a stop set at the end
+    of an epoch is agreed by one all-reduce. :class:`AllReduceGradients` does this itself, carrying
+    the request in its gradient buckets at no cost; use this one with a DistributedDataParallel model.
+    Place it after the callbacks that stop training.
+
+    Example: ::
+
+        >>> from torchbearer.callbacks import TerminateOnNaN
+        >>> from torchbearer_dist import AgreeOnStop
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[TerminateOnNaN(), AgreeOnStop()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.STOP_TRAINING`: read and set
+
+    .. warning:: A synchronization point at each step (without gradient buckets) and each epoch end.
+    """
+
+    buckets = None
+
+    def __init__(self):
+        super().__init__()
+        self._stop_requested = False
+        self._stop_agreed = False
+
+    def on_step_training(self, state):
+        if comm.world_size() == 1:
+            return
+        if state[torchbearer.STOP_TRAINING] and not self._stop_agreed:
+            # Hold the stop until every rank knows: it travels with the next step's gradients.
+            state[torchbearer.STOP_TRAINING] = False
+            self._stop_requested = True
+            if self.buckets is not None:
+                self.buckets.request_stop()
+        if self.buckets is None and comm.any_rank(self._stop_requested):
+            self._stop_requested = False
+            state[torchbearer.STOP_TRAINING] = True
+
+    def on_end_training(self, state):
+        self._agree_on_stop(state, self._stop_requested)
+
+    def on_checkpoint(self, state):
+        self._agree_on_stop(state, state[torchbearer.STOP_TRAINING])
+
+    def _agree_on_stop(self, state, flag):
+        if comm.world_size() == 1:
+            return
+        if comm.any_rank(flag or state[torchbearer.STOP_TRAINING]):
+            state[torchbearer.STOP_TRAINING] = True
+        self._stop_requested = self._stop_agreed = False
+
+
+class AllReduceGradients(AgreeOnStop):
+    """Average every gradient over all ranks after each backward pass.
+
+    Gradients are fused into flat buckets whose all-reduce starts during backward, as soon as each
+    bucket is full (see :class:`~torchbearer_dist.buckets.GradientBuckets`). A gradient that is None
+    on this rank is zero-filled so that every rank issues the same collectives; frozen parameters are
+    left alone. The averaged gradients are checked for NaN and Inf on every rank alike.
+
+    It also makes every rank stop at the same step when a callback on any rank sets
+    ``state[torchbearer.STOP_TRAINING]`` (TerminateOnNaN, EarlyStopping): the request travels with
+    the next step's gradients, at no extra cost. Place this callback after callbacks that stop training.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> from torchbearer_dist import AllReduceGradients
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[AllReduceGradients()])
+
+    Args:
+        bucket_cap_mb (float): capacity of a gradient bucket in MiB
+        first_bucket_mb (float): capacity of the first bucket sent, small so sending starts early
+        compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in
+        sync_every (int): all-reduce only on every k-th backward, for gradient accumulation; the
+            backward passes in between stay local (like DDP's ``no_sync``)
+        on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
+            :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
+
+    Raises:
+        ValueError: a bad option
+
+    State Requirements:
+        - :attr:`torchbearer.state.MODEL`: the model whose gradients are averaged
+
+    .. warning:: A synchronization point on every backward: every rank must run the same number of
+        steps (see :class:`EvenBatches`).
+    """
+
+    def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
+                 on_nonfinite='skip'):
+        super().__init__()
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
+        if on_nonfinite not in ('skip', 'raise'):
+            raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
+        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression)
+        if compression not in (None, 'none', 'fp16', 'bf16'):
+            raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
+        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+            raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
+        self.sync_every = sync_every
+        self.on_nonfinite = on_nonfinite
+        self.skipped = 0
+        self._backwards = 0
+        self._ddp = False
+
+    def on_start(self, state):
+        if comm.world_size() == 1:
+            return
+        model = state[torchbearer.MODEL]
+        if isinstance(model, DistributedDataParallel):
+            if not self._ddp:
+                warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
+                              'AllReduceGradients leaves them alone (drop it to silence this warning)', stacklevel=2)
+            self._ddp = True
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.buckets is None or self.buckets.params != params:
+            if self.buckets is not None:
+                self.buckets.detach()
+            self.buckets = GradientBuckets(params, **self.options) if params else None
+        if self.buckets is not None:
+            self.buckets.attach()
+            self.buckets.enabled = self.sync_every == 1
+        state[SKIPPED_STEPS] = self.skipped
+
+    def on_end(self, state):
+        if self.buckets is not None:
+            self.buckets.detach()
+
+    def on_backward(self, state):
+        if self.buckets is None:
+            return
+        self._backwards += 1
+        if self._backwards % self.sync_every:
+            self.buckets.enabled = (self._backwards + 1) % self.sync_every == 0
+            return
+        self.buckets.enabled = self.sync_every == 1
+        if self.buckets.finish():
+            self._stop_requested, self._stop_agreed = False, True
+            state[torchbearer.STOP_TRAINING] = True
+        if not self.buckets.all_finite():
+            if self.on_nonfinite == 'raise':
+                raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
+                                   'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
+                                       state[torchbearer.EPOCH], state[torchbearer.BATCH]))
+            self.buckets.clear()
+            self.skipped += 1
+            state[SKIPPED_STEPS] = self.skipped
+            if self.skipped == 1 and comm.rank() == 0:
+                warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
+                              'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
+
+class FlattenImages(Callback):
+    """Reshape each batch of inputs to ``(batch, -1)``, in training, validation and test alike.
+
+    Example: ::
+
+        >>> from torchbearer_dist import FlattenImages
+        >>> trial = Trial(torch.nn.Linear(784, 10), callbacks=[FlattenImages()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.X`: the input batch
+    """
+
+    @staticmethod
+    def _flatten(state):
+        x = state[torchbearer.X]
+        state[torchbearer.X] = x.reshape(x.size(0), -1)
+
+    def on_sample(self, state):
+        self._flatten(state)
+
+    def on_sample_validation(self, state):
+        self._flatten(state)
+
+
+def _loaders(state):
+    keys = (torchbearer.TRAIN_GENERATOR, torchbearer.VALIDATION_GENERATOR, torchbearer.TEST_GENERATOR)
+    return [state[key] for key in keys if state.get(key) is not None]
+
+
+def _samplers(loader):
+    found = []
+    for sampler in (getattr(loader, 'sampler', None), getattr(getattr(loader, 'batch_sampler', None), 'sampler', None)):
+        if sampler is not None and hasattr(sampler, 'set_epoch') and sampler not in found:
+            found.append(sampler)
+    return found
+
+
+class SetSamplerEpoch(Callback):
+    """Call ``set_epoch(epoch)`` on every DistributedSampler of the Trial's loaders at each epoch start.
+
+    Without it, a shuffling DistributedSampler repeats the same order every epoch.
+
+    Example: ::
+
+        >>> from torchbearer_dist import SetSamplerEpoch
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[SetSamplerEpoch()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.EPOCH`: the epoch about to start
+    """
+
+    def on_start_epoch(self, state):
+        for loader in _loaders(state):
+            for sampler in _samplers(loader):
+                sampler.set_epoch(state[torchbearer.EPOCH])
+
+
+class EvenBatches(Callback):
+    """Make every rank run the same number of training batches each epoch.
+
+    Ranks whose loaders differ in length (a non-padding sampler, datasets of different sizes) would
+    otherwise leave the longer rank waiting in a collective until the timeout, while the shorter
+    one exits cleanly. One all-reduce per epoch compares the counts.
+
+    Example: ::
+
+        >>> from torchbearer_dist import EvenBatches
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[EvenBatches(policy='error')])
+
+    Args:
+        policy (str): ``'min'`` (every rank stops at the shortest count, said once) or ``'error'``
+            (every rank raises before the first step, naming both counts)
+
+    Raises:
+        ValueError: an unknown policy, or with ``policy='error'`` unequal counts
+
+    .. warning:: A synchronization point at each epoch start.
+    """
+
+    def __init__(self, policy='min'):
+        super().__init__()
+        if policy not in ('min', 'error'):
+            raise ValueError("policy should be 'min' or 'error', but given {!r}".format(policy))
+        self.policy = policy
+        self._warned = False
+
+    def on_start_training(self, state):
+        steps = state[torchbearer.STEPS]
+        if comm.world_size() == 1 or steps is None or steps < 0:
+            return
+        fewest, most = comm.reduce_int(steps, 'min'), comm.reduce_int(steps, 'max')
+        if fewest == most:
+            return
+        if self.policy == 'error':
+            raise ValueError('ranks have unequal numbers of training batches (fewest {}, most {}; this rank {}); '
+                             'use a DistributedSampler, or EvenBatches(policy="min")'.format(fewest, most, steps))
+        if not self._warned and comm.rank() == 0:
+            warnings.warn('ranks have unequal numbers of training batches (fewest {}, most {}): every rank stops '
+                          'after {} this epoch'.format(fewest, most, fewest), stacklevel=2)
+        self._warned = True
+        state[torchbearer.STEPS] = fewest
+
+
+class _GlobalMetricList:
+    """Wraps a Trial's MetricList so that epoch metrics are averaged over ranks, weighted by samples."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.samples = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __str__(self):
+        return str(self.inner)
+
+    def reset(self, state):
+        self.samples = 0
+        return self.inner.reset(state)
+
+    def process(self, state):
+        n = _batch_size(state)
+        if n == 0:
+            return {}
+        self.samples += n
+        return self.inner.process(state)
+
+    def process_final(self, state):
+        values = self.inner.process_final(state)
+        scalars = {k: v for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()}
+        for name, value in comm.weighted_means(scalars, self.samples).items():
+            original = scalars[name]
+            values[name] = torch.tensor(value, dtype=original.dtype) if isinstance(original, torch.Tensor) else value
+        return values
+
+
+def _batch_size(state):
+    for key in (torchbearer.Y_TRUE, torchbearer.X):
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.size(0)
+    return 1
+
+
+def _trim(value, keep):
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value[:keep]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_trim(v, keep) for v in value)
+    return value
+
+
+class ReduceMetrics(Callback):
+    """Report epoch metrics over the union of all ranks' data, identical on every rank.
+
+    Each epoch metric that is a number (loss, acc, and any averaging torchbearer metric) is averaged
+    over ranks, weighted by the samples each rank saw, so the printed figures equal those over all
+    the data. Under a padding DistributedSampler, validation drops the repeated samples, so each
+    sample counts exactly once.
+
+    Example: ::
+
+        >>> from torchbearer_dist import ReduceMetrics
+        >>> trial = Trial(torch.nn.Linear(2, 1), metrics=['loss'], callbacks=[ReduceMetrics()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.METRIC_LIST`: wrapped on init
+        - :attr:`torchbearer.state.X`, :attr:`torchbearer.state.Y_TRUE`: counted per batch
+
+    .. warning:: A synchronization point at the end of each training and validation pass.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._remaining = None
+
+    def on_init(self, state):
+        metrics = state[torchbearer.METRIC_LIST]
+        if not isinstance(metrics, _GlobalMetricList):
+            state[torchbearer.METRIC_LIST] = _GlobalMetricList(metrics)
+
+    def on_start_validation(self, state):
+        self._remaining = None
+        sampler = getattr(state.get(torchbearer.GENERATOR), 'sampler', None)
+        if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+            total = len(sampler.dataset)
+            self._remaining = len(range(sampler.rank, total, sampler.num_replicas))
+
+    def on_sample_validation(self, state):
+        if self._remaining is None:
+            return
+        n = _batch_size(state)
+        keep = min(n, self._remaining)
+        self._remaining -= keep
+        if keep < n:
+            for key in (torchbearer.X, torchbearer.Y_TRUE):
+                if key in state:
+                    state[key] = _trim(state[key], keep)
+
+
+class _Silent(Callback):
+    def __init__(self, callback):
+        super().__init__()
+        self.silenced = callback
+
+    def __str__(self):
+        return 'silenced on this rank: {}'.format(self.silenced)
+
+
+_OUTPUT = (Tqdm, ConsolePrinter, CSVLogger, _Checkpointer)
+
+
+def _silence(callbacks):
+    for i, callback in enumerate(callbacks.callback_list):
+        if isinstance(callback, CallbackList):
+            _silence(callback)
+        elif isinstance(callback, _OUTPUT) or isinstance(callback, RankZeroOnly):
+            callbacks.callback_list[i] = _Silent(callback)
+
+
+class RankZeroOutput(Callback):
+    """Print, log and save on global rank 0 only.
+
+    On the other ranks it turns off the Trial's progress bar and silences the Trial's printers
+    (Tqdm, ConsolePrinter), CSVLogger and checkpointers. Because metrics are global, rank 0's
+    checkpoint decisions are every rank's, and all ranks carry on together.
+
+    Example: ::
+
+        >>> from torchbearer_dist import RankZeroOutput
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[RankZeroOutput()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.SELF`: the Trial, whose ``verbose`` is set to 0 on ranks > 0
+    """
+
+    def on_init(self, state):
+        if comm.rank() == 0:
+            return
+        state[torchbearer.SELF].verbose = 0
+        _silence(state[torchbearer.CALLBACK_LIST])
+
+    def on_start(self, state):
+        if comm.rank() == 0:
+            return
+        callbacks = state[torchbearer.CALLBACK_LIST]
+        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
+            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
+
+
+class RankZeroOnly(Callback):
+    """Run any callback on global rank 0 only, e.g. a logger or a custom printer.
+
+    Example: ::
+
+        >>> from torchbearer.callbacks import TensorBoard
+        >>> from torchbearer_dist import RankZeroOnly
+        >>> logger = RankZeroOnly(TensorBoard())
+
+    Args:
+        callback (torchbearer.callbacks.Callback): the callback to run on rank 0
+    """
+
+    def __init__(self, callback):
+        super().__init__()
+        self.callback = callback
+
+    def __getattribute__(self, name):
+        if name.startswith('on_') and comm.rank() == 0:
+            return getattr(object.__getattribute__(self, 'callback'), name)
+        return object.__getattribute__(self, name)
+
+    def state_dict(self):
+        return self.callback.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.callback.load_state_dict(state_dict)
+        return self
+
+
+class CheckReplicas(Callback):
+    """Check every ``every`` steps that parameters and buffers agree across ranks.
+
+    One small all-reduce of two checksums per tensor; on a difference every rank raises, naming the
+    first tensor that differs. Catches an update made on one rank only (a callback that touches the
+    model locally, a buffer that drifts).
+
+    Example: ::
+
+        >>> from torchbearer_dist import CheckReplicas
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[CheckReplicas(every=100)])
+
+    Args:
+        every (int): steps between checks; also checked at each epoch end
+
+    Raises:
+        ValueError: ``every`` is not a positive integer
+
+    .. warning:: A synchronization point every ``every`` steps.
+    """
+
+    def __init__(self, every=100):
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError('every should be an integer >= 1, but given {!r}'.format(every))
+        self.every = every
+        self._steps = 0
+
+    def on_step_training(self, state):
+        self._steps += 1
+        if self._steps % self.every == 0:
+            comm.check_replicas(_unwrap(state[torchbearer.MODEL]))
+
+    def on_end_epoch(self, state):
+        comm.check_replicas(_unwrap(state[torchbearer.MODEL]))
+
+
+def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', **all_reduce):
+    """The standard set of callbacks that makes a Trial data-parallel, in working order.
+
+    Put them after your own callbacks, so that a stop requested by one of yours reaches every rank
+    at the same step.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> import torchbearer_dist as tbd
+        >>> trial = Trial(model, optimizer, loss, metrics=['loss', 'acc'],
+        ...               callbacks=[*tbd.distributed_callbacks(flatten_images=True)])
+
+    Args:
+        flatten_images (bool): add :class:`FlattenImages`
+        ddp (bool): the model is DistributedDataParallel (see :func:`~torchbearer_dist.wrap_ddp`), which
+            averages gradients itself: :class:`AgreeOnStop` replaces :class:`AllReduceGradients`
+        broadcast (str): ``method`` of :class:`BroadcastParameters`
+        uneven (str): ``policy`` of :class:`EvenBatches`
+        **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``, ...)
+
+    Returns:
+        list: BroadcastParameters, SetSamplerEpoch, EvenBatches, ReduceMetrics, RankZeroOutput,
+        optionally FlattenImages, and AllReduceGradients (or AgreeOnStop) last
+    """
+    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(), EvenBatches(policy=uneven),
+                 ReduceMetrics(), RankZeroOutput()]
+    if flatten_images:
+        callbacks.append(FlattenImages())
+    callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(**all_reduce))
+    return callbacks

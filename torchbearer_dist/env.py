@@ -1,0 +1,287 @@
+"""Who am I: rank, world size and master address from arguments or the environment.
+
+Everything here is validated locally, before any socket is opened, so a bad value fails in well
+under a second with a one-line :class:`ValueError` instead of a network timeout on some other
+machine.
+"""
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: Default for every network wait: rendezvous, handshake and each collective. torch's own default
+#: for gloo is 30 minutes; a dead peer should not cost a user that long. Override per call with
+#: ``timeout=`` or for a whole job with the ``TORCHBEARER_DIST_TIMEOUT`` environment variable
+#: (seconds).
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+DEFAULT_PORT = 29500
+BACKENDS = ('gloo', 'nccl', 'mpi')
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The resolved description of one process of a job.
+
+    Attributes:
+        rank (int): global rank in ``[0, world_size)``
+        world_size (int): number of processes in the job
+        local_rank (int): rank among the processes on this machine (selects the GPU)
+        host (str): address of rank 0, where the rendezvous store listens
+        port (int): port of the rendezvous store
+        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``
+        timeout (datetime.timedelta): bound for rendezvous and for every collective
+        init_method (str or None): a ``file://`` URL when the job meets through a shared file
+        source (str): where the values came from: ``'arguments'``, ``'torchrun'``, ``'slurm'`` or ``'default'``
+    """
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+    port: int
+    backend: str
+    timeout: timedelta
+    init_method: str = None
+    source: str = 'arguments'
+
+    @property
+    def address(self):
+        """str: ``host:port`` of the rendezvous store, as it appears in messages."""
+        return '{}:{}'.format(self.host, self.port)
+
+
+def _env_int(name, environ):
+    value = environ.get(name)
+    if value is None or value == '':
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError('Environment variable {} should be an integer, but given {!r}; '
+                         'fix or unset it'.format(name, value)) from None
+
+
+def _as_int(name, value, flag):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError('{} should be an integer, but given {!r}; pass {} as a whole number'.format(name, value, flag))
+
+
+def default_backend():
+    """The backend this process should use: ``'nccl'`` when it has a CUDA device, ``'gloo'`` otherwise.
+
+    Returns:
+        str: the backend name
+    """
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return 'nccl'
+    return 'gloo'
+
+
+def _timeout(timeout, environ):
+    if timeout is None:
+        seconds = environ.get('TORCHBEARER_DIST_TIMEOUT')
+        if seconds is None:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(seconds)
+        except ValueError:
+            raise ValueError('TORCHBEARER_DIST_TIMEOUT should be a number of seconds, but given {!r}; '
+                             'fix or unset it'.format(seconds)) from None
+    if not isinstance(timeout, timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError('timeout should be a number of seconds or a datetime.timedelta, but given {!r}'.format(
+                timeout))
+        timeout = timedelta(seconds=timeout)
+    if timeout.total_seconds() <= 0:
+        raise ValueError('timeout should be positive, but given {} s; pass e.g. timeout=60'.format(
+            timeout.total_seconds()))
+    return timeout
+
+
+def check_backend(backend):
+    """Check that ``backend`` names a backend this process can use.
+
+    Args:
+        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``
+
+    Returns:
+        str: the backend, lower-cased
+
+    Raises:
+        ValueError: when the backend is unknown, not built into this torch, or nccl without CUDA
+    """
+    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
+        raise ValueError('backend should be one of {}, but given {!r}; use gloo on CPUs and nccl on GPUs'.format(
+            ', '.join(BACKENDS), backend))
+    backend = backend.lower()
+    if backend == 'nccl' and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs a CUDA device, but this process sees none; "
+                         "use backend='gloo' on CPU machines")
+    available = {'gloo': dist.is_gloo_available, 'nccl': dist.is_nccl_available, 'mpi': dist.is_mpi_available}
+    if not available[backend]():
+        raise ValueError('backend {!r} is not available in this build of torch {}; use gloo instead'.format(
+            backend, torch.__version__))
+    return backend
+
+
+def resolve(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
+            init_method=None, local_rank=None, environ=None):
+    """Work out this process's place in the job and check every value, without touching the network.
+
+    Explicit arguments win. Missing values come from the environment that torchrun sets
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), then from SLURM's
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``). With none of these the process is a job
+    of one: rank 0 of 1.
+
+    Example: ::
+
+        >>> from torchbearer_dist.env import resolve
+        >>> resolve(rank=1, world_size=2, host='10.0.0.1', port=29500, backend='gloo').address
+        '10.0.0.1:29500'
+
+    Args:
+        rank (int): global rank of this process, in ``[0, world_size)``
+        world_size (int): number of processes, at least 1
+        host (str): address or name of the machine that runs rank 0
+        port (int): port of the rendezvous store on ``host``, in 1..65535
+        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; by default nccl with CUDA, gloo otherwise
+        timeout (float or datetime.timedelta): bound for rendezvous and collectives, in seconds;
+            by default :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
+        init_method (str): ``'file:///shared/path'`` to meet through a file on a shared filesystem
+            instead of a TCP store; ``'env://'`` and ``'tcp://host:port'`` are also understood
+        local_rank (int): rank on this machine; by default ``LOCAL_RANK``, ``SLURM_LOCALID`` or ``rank``
+        environ (dict): the environment to read, ``os.environ`` by default
+
+    Returns:
+        DistEnv: the checked values
+
+    Raises:
+        ValueError: naming the bad value and how to fix it
+    """
+    environ = os.environ if environ is None else environ
+    source = 'arguments'
+    if rank is None and world_size is None:
+        if 'RANK' in environ or 'WORLD_SIZE' in environ:
+            source = 'torchrun'
+            rank, world_size = _env_int('RANK', environ), _env_int('WORLD_SIZE', environ)
+            local_rank = _env_int('LOCAL_RANK', environ) if local_rank is None else local_rank
+        elif 'SLURM_PROCID' in environ and 'SLURM_NTASKS' in environ:
+            source = 'slurm'
+            rank, world_size = _env_int('SLURM_PROCID', environ), _env_int('SLURM_NTASKS', environ)
+            local_rank = _env_int('SLURM_LOCALID', environ) if local_rank is None else local_rank
+        else:
+            source = 'default'
+            rank, world_size = 0, 1
+    if world_size is None:
+        world_size = _env_int('WORLD_SIZE', environ)
+        if world_size is None:
+            raise ValueError('world_size is missing: pass --world-size N (the number of processes) '
+                             'or set WORLD_SIZE')
+    world_size = _as_int('world_size', world_size, '--world-size')
+    if world_size < 1:
+        raise ValueError('world_size should be at least 1, but given {}; pass the number of processes '
+                         'in the job'.format(world_size))
+    if rank is None:
+        rank = _env_int('RANK', environ)
+        if rank is None:
+            raise ValueError('rank is missing: pass --rank i with 0 <= i < {} or set RANK'.format(world_size))
+    rank = _as_int('rank', rank, '--rank')
+    if not 0 <= rank < world_size:
+        raise ValueError('rank should be between 0 and {} (world_size - 1), but given {}; '
+                         'give each process a distinct rank in that range'.format(world_size - 1, rank))
+    local_rank = rank if local_rank is None else _as_int('local_rank', local_rank, '--local-rank')
+    if local_rank < 0:
+        raise ValueError('local_rank should be >= 0, but given {}'.format(local_rank))
+
+    if init_method is not None:
+        if not isinstance(init_method, str) or init_method.split('://')[0] not in ('file', 'env', 'tcp'):
+            raise ValueError("init_method should be 'file:///path', 'env://' or 'tcp://host:port', "
+                             "but given {!r}".format(init_method))
+        if init_method.startswith('tcp://'):
+            netloc = init_method[len('tcp://'):].rstrip('/')
+            if ':' in netloc:
+                host_part, port_part = netloc.rsplit(':', 1)
+                host = host_part if host is None else host
+                port = port_part if port is None else port
+            init_method = None
+        elif init_method.startswith('env://'):
+            init_method = None
+        elif init_method == 'file://' or len(init_method) <= len('file://'):
+            raise ValueError("init_method {!r} names no file; use 'file:///shared/dir/rendezvous'".format(init_method))
+
+    if host is None:
+        host = environ.get('MASTER_ADDR') or '127.0.0.1'
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError('host should be the address of rank 0, but given {!r}; pass --host ADDR'.format(host))
+    host = host.strip().strip('[]')
+    if port is None:
+        port = _env_int('MASTER_PORT', environ) or DEFAULT_PORT
+    port = _as_int('port', port, '--port')
+    if not 1 <= port <= 65535:
+        raise ValueError('port should be between 1 and 65535, but given {}; pass a free port with --port'.format(port))
+
+    backend = check_backend(default_backend() if backend is None else backend)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, host=host, port=port,
+                   backend=backend, timeout=_timeout(timeout, environ), init_method=init_method, source=source)
+
+
+def is_loopback(host):
+    """Whether ``host`` resolves to this machine's loopback interface.
+
+    Args:
+        host (str): an address or name
+
+    Returns:
+        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
+    """
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
+
+
+def route_interface(host, port=DEFAULT_PORT):
+    """Name the network interface this machine uses to reach ``host``.
+
+    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
+    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
+    asks the kernel for the route; no packet is sent.
+
+    Args:
+        host (str): address of rank 0
+        port (int): any port; only the route matters
+
+    Returns:
+        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
+    """
+    import fcntl
+    import struct
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
+        if family != socket.AF_INET:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            local_ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == local_ip:
+                return name
+    return None

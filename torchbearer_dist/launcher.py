@@ -1,0 +1,222 @@
+"""Start N ranks on this machine and watch them: the first failure stops the rest and is re-raised.
+
+Children die with their parent (``PR_SET_PDEATHSIG``), so a killed launcher never leaves a rank
+behind holding the port, and Ctrl-C stops every rank within a few seconds.
+"""
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing import connection, get_context
+
+import torch
+
+from torchbearer_dist import faults, rendezvous
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's traceback text as the ``__cause__`` of the error re-raised in the launcher."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+def free_port(host='127.0.0.1'):
+    """A TCP port that is free on ``host`` right now.
+
+    Args:
+        host (str): the address to probe
+
+    Returns:
+        int: the port
+    """
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def die_with_parent(parent_pid):
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit now if it already did."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):  # not Linux: the launcher's finally still cleans up
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _child(fn, rank, world_size, host, port, backend, timeout, args, kwargs, conn, parent_pid):
+    die_with_parent(parent_pid)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR=host, MASTER_PORT=str(port))
+    if 'OMP_NUM_THREADS' not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        with rendezvous.process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
+                                      timeout=timeout):
+            result = fn(*args, **(kwargs or {}))
+        _send(conn, ('ok', result))
+    except BaseException as error:
+        try:
+            payload = error if _picklable(error) else None
+        except Exception:
+            payload = None
+        _send(conn, ('error', faults.describe(error), traceback.format_exc(), payload))
+        conn.close()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
+    conn.close()
+
+
+def _send(conn, message):
+    # Plain pickle copies tensors; multiprocessing's would share them through this process, which exits.
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _receive(conn):
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def _picklable(error):
+    try:
+        pickle.loads(pickle.dumps(error))
+        return True
+    except Exception:
+        return False
+
+
+def _stop(processes, grace):
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _error_for(rank, report, exitcode):
+    if report is None:
+        name = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
+        how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
+        return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
+    _, line, text, error = report
+    if error is None or isinstance(error, faults.PeerFailedError):
+        error = RuntimeError(line) if error is None else error
+        if error.args and not str(error).startswith('rank '):
+            error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
+    elif len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
+    else:
+        error = RuntimeError('rank {} failed: {}'.format(rank, line))
+    error.__cause__ = RemoteTraceback('traceback of rank {}:\n{}'.format(rank, text))
+    return error
+
+
+def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, backend=None, timeout=None,
+           deadline=None, grace=3.0):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks, each inside an initialized process group.
+
+    The port is picked in the parent. When a rank fails, the others are stopped and that rank's
+    error is re-raised here with ``rank R failed:`` in front of its message and its traceback as the
+    cause. A rank that stops only because a peer failed is never mistaken for the root cause.
+
+    Example:
+
+        .. code-block:: python
+
+            def worker(epochs):
+                trial = make_trial()          # a Trial with torchbearer_dist's callbacks
+                return trial.run(epochs)
+
+            if __name__ == '__main__':
+                histories = torchbearer_dist.launch(worker, world_size=2, args=(5,))
+
+    Args:
+        fn (callable): a module-level function (it is pickled to start each rank)
+        world_size (int): number of ranks to start, at least 1
+        args (tuple): positional arguments for ``fn``
+        kwargs (dict): keyword arguments for ``fn``
+        host (str): address the rendezvous store listens on
+        port (int): port of the store; a free one by default
+        backend (str): ``'gloo'`` or ``'nccl'``; by default nccl with CUDA, gloo otherwise
+        timeout (float): seconds for rendezvous and each collective
+        deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
+        grace (float): seconds ranks get to exit after SIGTERM before SIGKILL
+
+    Returns:
+        list: what ``fn`` returned on each rank, in rank order
+
+    Raises:
+        ValueError: a bad ``world_size``
+        Exception: the first failing rank's error, its message starting ``rank R failed:``
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError('world_size should be an integer >= 1, but given {!r}'.format(world_size))
+    port = free_port(host) if port is None else port
+    context = get_context('spawn')
+    processes, pipes = [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = context.Pipe(duplex=False)
+            process = context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=(
+                fn, rank, world_size, host, port, backend, timeout, args, kwargs, child_end, os.getpid()))
+            process.start()
+            child_end.close()
+            processes.append(process)
+            pipes.append(parent_end)
+        return _supervise(processes, pipes, deadline, grace)
+    finally:
+        _stop(processes, grace)
+
+
+def _supervise(processes, pipes, deadline, grace):
+    reports, results = {}, {}
+    started = time.monotonic()
+    failed_at = None
+    while True:
+        for rank, pipe in enumerate(pipes):
+            if rank not in reports and pipe.poll():
+                reports[rank] = _receive(pipe)
+        failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        failed += [r for r, rep in reports.items() if rep is not None and rep[0] == 'error' and r not in failed]
+        if failed and failed_at is None:
+            failed_at = time.monotonic()
+        if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
+            break
+        if deadline is not None and time.monotonic() - started > deadline:
+            running = [r for r, p in enumerate(processes) if p.exitcode is None]
+            raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
+                running, deadline))
+        connection.wait([p.sentinel for p in processes] + pipes, timeout=0.1)
+    for rank, pipe in enumerate(pipes):
+        if rank not in reports and pipe.poll():
+            reports[rank] = _receive(pipe)
+    for rank, report in reports.items():
+        if report is not None and report[0] == 'ok':
+            results[rank] = report[1]
+    if len(results) == len(processes):
+        return [results[r] for r in range(len(processes))]
+    died = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
+    _stop(processes, grace)
+    own = [r for r, rep in sorted(reports.items()) if rep is not None and rep[0] == 'error' and not _peer_failure(rep)]
+    peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
+    rank = (own + [r for r in died if reports.get(r) is None] + peer + [r for r in range(len(processes))
+                                                                        if r not in results])[0]
+    raise _error_for(rank, reports.get(rank), processes[rank].exitcode)
+
+
+def _peer_failure(report):
+    return report is not None and report[1].startswith(faults.PeerFailedError.__name__)
