@@ -7,9 +7,6 @@ from torchbearer_dist.callbacks import (
     CheckReplicas,
     EvenBatches,
     FlattenImages,
-    RankZeroOnly,
-    RankZeroOutput,
-    ReduceMetrics,
     SetSamplerEpoch,
     distributed_callbacks,
 )
@@ -19,6 +16,8 @@ from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError
 from torchbearer_dist.launcher import launch
+from torchbearer_dist.metrics import ReduceMetrics
+from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
 from torchbearer_dist.rendezvous import destroy_process_group, init_process_group, process_group
 
 __version__ = '0.1.0'

@@ -1,4 +1,4 @@
-"""The Trial-facing callbacks: thin torchbearer :class:`~torchbearer.callbacks.Callback` classes over :mod:`.comm`.
+"""The synchronizing callbacks: thin torchbearer :class:`~torchbearer.callbacks.Callback` classes over :mod:`.comm`.
 
 Each works with no arguments once the process group is up, and does nothing in a job of one
 process, so the same Trial runs unchanged with and without distribution.
@@ -8,13 +8,12 @@ import warnings
 import torch
 import torchbearer
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 from torchbearer import Callback
-from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
-from torchbearer.callbacks.checkpointers import _Checkpointer
 
 from torchbearer_dist import comm
 from torchbearer_dist.buckets import GradientBuckets
+from torchbearer_dist.metrics import ReduceMetrics
+from torchbearer_dist.output import RankZeroOutput
 
 #: State key: how many steps were skipped because the averaged gradients were not finite.
 SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
@@ -325,185 +324,6 @@ class EvenBatches(Callback):
                           'after {} this epoch'.format(fewest, most, fewest), stacklevel=2)
         self._warned = True
         state[torchbearer.STEPS] = fewest
-
-
-class _GlobalMetricList:
-    """Wraps a Trial's MetricList so that epoch metrics are averaged over ranks, weighted by samples."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.samples = 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __str__(self):
-        return str(self.inner)
-
-    def reset(self, state):
-        self.samples = 0
-        return self.inner.reset(state)
-
-    def process(self, state):
-        n = _batch_size(state)
-        if n == 0:
-            return {}
-        self.samples += n
-        return self.inner.process(state)
-
-    def process_final(self, state):
-        values = self.inner.process_final(state)
-        scalars = {k: v for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()}
-        for name, value in comm.weighted_means(scalars, self.samples).items():
-            original = scalars[name]
-            values[name] = torch.tensor(value, dtype=original.dtype) if isinstance(original, torch.Tensor) else value
-        return values
-
-
-def _batch_size(state):
-    for key in (torchbearer.Y_TRUE, torchbearer.X):
-        value = state.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.size(0)
-    return 1
-
-
-def _trim(value, keep):
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return value[:keep]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_trim(v, keep) for v in value)
-    return value
-
-
-class ReduceMetrics(Callback):
-    """Report epoch metrics over the union of all ranks' data, identical on every rank.
-
-    Each epoch metric that is a number (loss, acc, and any averaging torchbearer metric) is averaged
-    over ranks, weighted by the samples each rank saw, so the printed figures equal those over all
-    the data. Under a padding DistributedSampler, validation drops the repeated samples, so each
-    sample counts exactly once.
-
-    Example: ::
-
-        >>> from torchbearer_dist import ReduceMetrics
-        >>> trial = Trial(torch.nn.Linear(2, 1), metrics=['loss'], callbacks=[ReduceMetrics()])
-
-    State Requirements:
-        - :attr:`torchbearer.state.METRIC_LIST`: wrapped on init
-        - :attr:`torchbearer.state.X`, :attr:`torchbearer.state.Y_TRUE`: counted per batch
-
-    .. warning:: A synchronization point at the end of each training and validation pass.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._remaining = None
-
-    def on_init(self, state):
-        metrics = state[torchbearer.METRIC_LIST]
-        if not isinstance(metrics, _GlobalMetricList):
-            state[torchbearer.METRIC_LIST] = _GlobalMetricList(metrics)
-
-    def on_start_validation(self, state):
-        self._remaining = None
-        sampler = getattr(state.get(torchbearer.GENERATOR), 'sampler', None)
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-            total = len(sampler.dataset)
-            self._remaining = len(range(sampler.rank, total, sampler.num_replicas))
-
-    def on_sample_validation(self, state):
-        if self._remaining is None:
-            return
-        n = _batch_size(state)
-        keep = min(n, self._remaining)
-        self._remaining -= keep
-        if keep < n:
-            for key in (torchbearer.X, torchbearer.Y_TRUE):
-                if key in state:
-                    state[key] = _trim(state[key], keep)
-
-
-class _Silent(Callback):
-    def __init__(self, callback):
-        super().__init__()
-        self.silenced = callback
-
-    def __str__(self):
-        return 'silenced on this rank: {}'.format(self.silenced)
-
-
-_OUTPUT = (Tqdm, ConsolePrinter, CSVLogger, _Checkpointer)
-
-
-def _silence(callbacks):
-    for i, callback in enumerate(callbacks.callback_list):
-        if isinstance(callback, CallbackList):
-            _silence(callback)
-        elif isinstance(callback, _OUTPUT) or isinstance(callback, RankZeroOnly):
-            callbacks.callback_list[i] = _Silent(callback)
-
-
-class RankZeroOutput(Callback):
-    """Print, log and save on global rank 0 only.
-
-    On the other ranks it turns off the Trial's progress bar and silences the Trial's printers
-    (Tqdm, ConsolePrinter), CSVLogger and checkpointers. Because metrics are global, rank 0's
-    checkpoint decisions are every rank's, and all ranks carry on together.
-
-    Example: ::
-
-        >>> from torchbearer_dist import RankZeroOutput
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[RankZeroOutput()])
-
-    State Requirements:
-        - :attr:`torchbearer.state.SELF`: the Trial, whose ``verbose`` is set to 0 on ranks > 0
-    """
-
-    def on_init(self, state):
-        if comm.rank() == 0:
-            return
-        state[torchbearer.SELF].verbose = 0
-        _silence(state[torchbearer.CALLBACK_LIST])
-
-    def on_start(self, state):
-        if comm.rank() == 0:
-            return
-        callbacks = state[torchbearer.CALLBACK_LIST]
-        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
-            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
-
-
-class RankZeroOnly(Callback):
-    """Run any callback on global rank 0 only, e.g. a logger or a custom printer.
-
-    Example: ::
-
-        >>> from torchbearer.callbacks import TensorBoard
-        >>> from torchbearer_dist import RankZeroOnly
-        >>> logger = RankZeroOnly(TensorBoard())
-
-    Args:
-        callback (torchbearer.callbacks.Callback): the callback to run on rank 0
-    """
-
-    def __init__(self, callback):
-        super().__init__()
-        self.callback = callback
-
-    def __getattribute__(self, name):
-        if name.startswith('on_') and comm.rank() == 0:
-            return getattr(object.__getattribute__(self, 'callback'), name)
-        return object.__getattribute__(self, name)
-
-    def state_dict(self):
-        return self.callback.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.callback.load_state_dict(state_dict)
-        return self
 
 
 class CheckReplicas(Callback):

@@ -1,0 +1,87 @@
+"""Rank-0 I/O: progress bars, printing, logging and checkpoints on global rank 0 only."""
+import torchbearer
+from torchbearer import Callback
+from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
+from torchbearer.callbacks.checkpointers import _Checkpointer
+
+from torchbearer_dist import comm
+
+
+class _Silent(Callback):
+    def __init__(self, callback):
+        super().__init__()
+        self.silenced = callback
+
+    def __str__(self):
+        return 'silenced on this rank: {}'.format(self.silenced)
+
+
+_OUTPUT = (Tqdm, ConsolePrinter, CSVLogger, _Checkpointer)
+
+
+def _silence(callbacks):
+    for i, callback in enumerate(callbacks.callback_list):
+        if isinstance(callback, CallbackList):
+            _silence(callback)
+        elif isinstance(callback, _OUTPUT) or isinstance(callback, RankZeroOnly):
+            callbacks.callback_list[i] = _Silent(callback)
+
+
+class RankZeroOutput(Callback):
+    """Print, log and save on global rank 0 only.
+
+    On the other ranks it turns off the Trial's progress bar and silences the Trial's printers
+    (Tqdm, ConsolePrinter), CSVLogger and checkpointers. Because metrics are global, rank 0's
+    checkpoint decisions are every rank's, and all ranks carry on together.
+
+    Example: ::
+
+        >>> from torchbearer_dist import RankZeroOutput
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[RankZeroOutput()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.SELF`: the Trial, whose ``verbose`` is set to 0 on ranks > 0
+    """
+
+    def on_init(self, state):
+        if comm.rank() == 0:
+            return
+        state[torchbearer.SELF].verbose = 0
+        _silence(state[torchbearer.CALLBACK_LIST])
+
+    def on_start(self, state):
+        if comm.rank() == 0:
+            return
+        callbacks = state[torchbearer.CALLBACK_LIST]
+        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
+            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
+
+
+class RankZeroOnly(Callback):
+    """Run any callback on global rank 0 only, e.g. a logger or a custom printer.
+
+    Example: ::
+
+        >>> from torchbearer.callbacks import TensorBoard
+        >>> from torchbearer_dist import RankZeroOnly
+        >>> logger = RankZeroOnly(TensorBoard())
+
+    Args:
+        callback (torchbearer.callbacks.Callback): the callback to run on rank 0
+    """
+
+    def __init__(self, callback):
+        super().__init__()
+        self.callback = callback
+
+    def __getattribute__(self, name):
+        if name.startswith('on_') and comm.rank() == 0:
+            return getattr(object.__getattribute__(self, 'callback'), name)
+        return object.__getattribute__(self, name)
+
+    def state_dict(self):
+        return self.callback.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.callback.load_state_dict(state_dict)
+        return self
