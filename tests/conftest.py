@@ -54,10 +54,15 @@ def clean_process(monkeypatch):
     os.environ.clear()
     os.environ.update(saved)
     deadline = time.monotonic() + 5
-    while _children() and time.monotonic() < deadline:
+    while _live_children() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [pid for pid in _children() if 'resource_tracker' not in _cmdline(pid)]
+    left = _live_children()
     assert not left, 'processes outlived the test: {}'.format({pid: _cmdline(pid) for pid in left})
+
+
+def _live_children():
+    """Children other than multiprocessing's resource tracker, which lives as long as pytest."""
+    return [pid for pid in _children() if 'resource_tracker' not in _cmdline(pid)]
 
 
 def _cmdline(pid):

@@ -52,6 +52,11 @@ def _max_and_min(values, device):
     return both[:n], [-v for v in both[n:]]
 
 
+def _wire_text(text):
+    """``text`` as :func:`_broadcast_text` delivers it: at most ``_NAME_BYTES`` bytes, no trailing space."""
+    return text.encode()[:_NAME_BYTES].decode(errors='replace').rstrip()
+
+
 def _broadcast_text(text, src, device):
     data = text.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b' ')
     tensor = torch.tensor(list(data), dtype=torch.uint8, device=device)
@@ -76,8 +81,8 @@ def check_same_model(module, src=0):
         src (int): the rank whose entry the message quotes as the reference
 
     Raises:
-        RuntimeError: the models differ; the message names the first differing entry on ``src``
-            and on this rank
+        RuntimeError: the models differ; the message, the same on every rank, names the first
+            differing entry as ``src`` holds it and as the lowest rank that differs holds it
 
     .. warning:: A synchronization point: every rank must call it.
     """
@@ -96,8 +101,12 @@ def check_same_model(module, src=0):
     mine = descriptions[first] if first < len(descriptions) else 'nothing (it has only {} entries)'.format(
         len(entries))
     theirs = _broadcast_text(mine, src, device)
+    # Quote the lowest rank that differs from src, so that every rank, src included, raises the same message.
+    differs = _wire_text(mine) != theirs
+    other = _max_and_min([rank() if differs else world_size()], device)[1][0] % world_size()
+    differing = _broadcast_text(mine, other, device)
     raise RuntimeError('the model differs across ranks at state_dict entry {}: rank {} has {}, rank {} has {}; '
-                       'build the same model on every rank'.format(first, src, theirs, rank(), mine))
+                       'build the same model on every rank'.format(first, src, theirs, other, differing))
 
 
 def _tensors(module):
@@ -130,10 +139,29 @@ def broadcast_state(module, src=0, method='broadcast'):
     """
     if method not in ('broadcast', 'p2p'):
         raise ValueError("method should be 'broadcast' or 'p2p', but given {!r}".format(method))
+    _broadcast_tensors(_tensors(module), src, method)
+
+
+def broadcast_buffers(module, src=0):
+    """Copy ``src``'s buffers (BatchNorm running statistics, ...) into every rank's ``module``, in place.
+
+    Each rank updates its buffers from its own batches; DistributedDataParallel copies rank 0's
+    before every forward. One collective per buffer dtype.
+
+    Args:
+        module (torch.nn.Module): the local replica
+        src (int): the rank whose buffers win
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    _broadcast_tensors(list(module.buffers()), src, 'broadcast')
+
+
+def _broadcast_tensors(tensors, src, method):
     if world_size() == 1:
         return
     groups = {}
-    for tensor in _tensors(module):
+    for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
         for key in sorted(groups, key=str):

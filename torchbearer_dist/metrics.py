@@ -13,6 +13,7 @@ class _GlobalMetricList:
     def __init__(self, inner):
         self.inner = inner
         self.samples = 0
+        self.last = {}
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -22,6 +23,7 @@ class _GlobalMetricList:
 
     def reset(self, state):
         self.samples = 0
+        self.last = {}
         return self.inner.reset(state)
 
     def process(self, state):
@@ -29,10 +31,14 @@ class _GlobalMetricList:
         if n == 0:
             return {}
         self.samples += n
-        return self.inner.process(state)
+        self.last = self.inner.process(state)
+        return self.last
 
     def process_final(self, state):
-        values = self.inner.process_final(state)
+        # The last batch's running figures (running_loss, ...) stay in the epoch's metrics: reduce them too,
+        # so that every rank reports, logs and checkpoints on the same numbers.
+        values = {k: v for k, v in self.last.items() if k.startswith('running_')}
+        values.update(self.inner.process_final(state))
         scalars = {k: v for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)
                    or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()}
@@ -63,8 +69,9 @@ class ReduceMetrics(Callback):
 
     Each epoch metric that is a number (loss, acc, and any averaging torchbearer metric) is averaged
     over ranks, weighted by the samples each rank saw, so the printed figures equal those over all
-    the data. Under a padding DistributedSampler, validation drops the repeated samples, so each
-    sample counts exactly once.
+    the data. The last batch's running figures (``running_loss``, ...), which torchbearer keeps in the
+    epoch's metrics, are averaged in the same reduction, so every rank holds the same history. Under a
+    padding DistributedSampler, validation drops the repeated samples, so each sample counts exactly once.
 
     Example: ::
 

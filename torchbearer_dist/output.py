@@ -1,4 +1,7 @@
 """Rank-0 I/O: progress bars, printing, logging and checkpoints on global rank 0 only."""
+import functools
+import inspect
+
 import torchbearer
 from torchbearer import Callback
 from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
@@ -27,11 +30,26 @@ def _silence(callbacks):
             callbacks.callback_list[i] = _Silent(callback)
 
 
+def _quiet(method):
+    """A Trial's ``run``, ``evaluate`` or ``predict`` that always passes ``verbose=0``: no progress bar is injected."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def quiet(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments['verbose'] = 0
+        return method(*bound.args, **bound.kwargs)
+
+    quiet.quiet = True
+    return quiet
+
+
 class RankZeroOutput(Callback):
     """Print, log and save on global rank 0 only.
 
-    On the other ranks it turns off the Trial's progress bar and silences the Trial's printers
-    (Tqdm, ConsolePrinter), CSVLogger and checkpointers. Because metrics are global, rank 0's
+    On the other ranks it turns off the Trial's progress bars, also those that ``run(verbose=1)``,
+    ``evaluate`` and ``predict`` inject, and silences the Trial's printers (Tqdm, ConsolePrinter),
+    CSVLogger and checkpointers. Because metrics are global, rank 0's
     checkpoint decisions are every rank's, and all ranks carry on together.
 
     Example: ::
@@ -46,7 +64,12 @@ class RankZeroOutput(Callback):
     def on_init(self, state):
         if comm.rank() == 0:
             return
-        state[torchbearer.SELF].verbose = 0
+        trial = state[torchbearer.SELF]
+        trial.verbose = 0
+        for name in ('run', 'evaluate', 'predict'):
+            method = getattr(trial, name, None)
+            if method is not None and not getattr(method, 'quiet', False):
+                setattr(trial, name, _quiet(method))  # a printer they inject would start before on_start
         _silence(state[torchbearer.CALLBACK_LIST])
 
     def on_start(self, state):
