@@ -133,6 +133,10 @@ class AllReduceGradients(AgreeOnStop):
     ``state[torchbearer.STOP_TRAINING]`` (TerminateOnNaN, EarlyStopping): the request travels with
     the next step's gradients, at no extra cost. Place this callback after callbacks that stop training.
 
+    At the end of each training pass it copies rank 0's buffers (BatchNorm running statistics), which
+    each rank updates from its own batches, to every rank, as DDP does before each forward: validation,
+    checkpoints and :class:`CheckReplicas` then see one model.
+
     Example: ::
 
         >>> from torchbearer import Trial
@@ -147,6 +151,10 @@ class AllReduceGradients(AgreeOnStop):
             backward passes in between stay local (like DDP's ``no_sync``)
         on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
             :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
+        overlap (bool or str): ``True`` starts each bucket's all-reduce from autograd hooks during
+            backward; ``False`` copies every gradient in with one fused copy per bucket after backward;
+            ``'auto'`` overlaps only when the gradients span more than one bucket (a single bucket
+            cannot overlap anything, and the hooks cost Python time per parameter)
 
     Raises:
         ValueError: a bad option
@@ -159,13 +167,16 @@ class AllReduceGradients(AgreeOnStop):
     """
 
     def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
-                 on_nonfinite='skip'):
+                 on_nonfinite='skip', overlap='auto'):
         super().__init__()
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
         if on_nonfinite not in ('skip', 'raise'):
             raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
-        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression)
+        if not (isinstance(overlap, bool) or overlap == 'auto'):
+            raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
+        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
+                            overlap=overlap)
         if compression not in (None, 'none', 'fp16', 'bf16'):
             raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
@@ -199,6 +210,11 @@ class AllReduceGradients(AgreeOnStop):
     def on_end(self, state):
         if self.buckets is not None:
             self.buckets.detach()
+
+    def on_end_training(self, state):
+        super().on_end_training(state)
+        if comm.world_size() > 1 and not self._ddp:
+            comm.broadcast_buffers(state[torchbearer.MODEL])
 
     def on_backward(self, state):
         if self.buckets is None:
