@@ -148,7 +148,10 @@ class AllReduceGradients(AgreeOnStop):
         first_bucket_mb (float): capacity of the first bucket sent, small so sending starts early
         compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in
         sync_every (int): all-reduce only on every k-th backward, for gradient accumulation; the
-            backward passes in between stay local (like DDP's ``no_sync``)
+            backward passes in between stay local (like DDP's ``no_sync``). The optimizer must then
+            step only after the k-th backward and keep gradients in between, as an accumulating
+            optimizer wrapper or closure does; a plain Trial steps on every batch, and its replicas
+            would drift apart on the local gradients
         on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
             :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
         overlap (bool or str): ``True`` starts each bucket's all-reduce from autograd hooks during
@@ -343,11 +346,12 @@ class EvenBatches(Callback):
 
 
 class CheckReplicas(Callback):
-    """Check every ``every`` steps that parameters and buffers agree across ranks.
+    """Check every ``every`` steps that parameters agree across ranks, and buffers too at each epoch end.
 
     One small all-reduce of two checksums per tensor; on a difference every rank raises, naming the
     first tensor that differs. Catches an update made on one rank only (a callback that touches the
-    model locally, a buffer that drifts).
+    model locally, a buffer that drifts). Buffers such as BatchNorm statistics are compared only at
+    the epoch end, after :class:`AllReduceGradients` has re-broadcast them from rank 0.
 
     Example: ::
 
@@ -373,7 +377,7 @@ class CheckReplicas(Callback):
     def on_step_training(self, state):
         self._steps += 1
         if self._steps % self.every == 0:
-            comm.check_replicas(_unwrap(state[torchbearer.MODEL]))
+            comm.check_replicas(_unwrap(state[torchbearer.MODEL]), buffers=False)
 
     def on_end_epoch(self, state):
         comm.check_replicas(_unwrap(state[torchbearer.MODEL]))

@@ -256,14 +256,16 @@ def any_rank(flag, device=None):
     return reduce_int(1 if flag else 0, 'max', device) == 1
 
 
-def check_replicas(module):
-    """Check that parameters and buffers hold the same values on every rank.
+def check_replicas(module, buffers=True):
+    """Check that parameters (and buffers) hold the same values on every rank.
 
     Each tensor is summarised by two float64 checksums (its sum and a position-weighted sum);
     one MAX all-reduce of them and their negatives compares every rank at once.
 
     Args:
         module (torch.nn.Module): the local replica
+        buffers (bool): also compare buffers (BatchNorm statistics drift apart within a training
+            pass by design, until :class:`~torchbearer_dist.AllReduceGradients` re-broadcasts them)
 
     Raises:
         RuntimeError: naming the first tensor whose values differ across ranks
@@ -272,7 +274,7 @@ def check_replicas(module):
     """
     if world_size() == 1:
         return
-    entries = list(module.state_dict().items())
+    entries = list(module.state_dict().items()) if buffers else list(module.named_parameters())
     sums = []
     with torch.no_grad():
         for _, tensor in entries:

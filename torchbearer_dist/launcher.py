@@ -219,4 +219,4 @@ def _supervise(processes, pipes, deadline, grace):
 
 
 def _peer_failure(report):
-    return report is not None and report[1].startswith(faults.PeerFailedError.__name__)
+    return report is not None and report[0] == 'error' and report[1].startswith(faults.PeerFailedError.__name__)

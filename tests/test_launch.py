@@ -1,0 +1,49 @@
+"""launch(): results in rank order, the failing rank's own error re-raised with its rank."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchbearer_dist
+
+from _dist import run_workers
+
+
+def _worker_rank_and_sum():
+    tensor = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tensor)
+    return dist.get_rank(), os.environ['WORLD_SIZE'], tensor.item()
+
+
+def _worker_rank1_raises_after_rank0_returned():
+    if dist.get_rank() == 1:
+        raise KeyError('missing on rank 1')  # not a one-string-argument message exception
+    return 'rank 0 finished'
+
+
+def _worker_rank1_raises_in_collective_phase():
+    if dist.get_rank() == 1:
+        raise ValueError('bad batch')
+    dist.barrier()  # rank 0 waits here until rank 1's failure breaks the group
+
+
+def test_results_come_back_in_rank_order():
+    assert run_workers(_worker_rank_and_sum, world_size=3) == [(0, '3', 6.0), (1, '3', 6.0), (2, '3', 6.0)]
+
+
+def test_failing_rank_is_named_even_when_another_rank_returned():
+    with pytest.raises(KeyError, match='rank 1 failed'):
+        run_workers(_worker_rank1_raises_after_rank0_returned)
+
+
+def test_root_cause_is_the_failing_rank_not_the_peer_it_broke():
+    with pytest.raises(ValueError, match=r'^rank 1 failed: bad batch$') as info:
+        run_workers(_worker_rank1_raises_in_collective_phase)
+    assert 'traceback of rank 1' in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize('world_size', [0, -1, 1.5, True, '2'])
+def test_bad_world_size_is_refused_before_starting_anything(world_size):
+    with pytest.raises(ValueError, match=r'world_size should be an integer >= 1, but given'):
+        torchbearer_dist.launch(_worker_rank_and_sum, world_size)
