@@ -10,6 +10,7 @@ from torchbearer_dist.callbacks import (
     SetSamplerEpoch,
     distributed_callbacks,
 )
+from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
 from torchbearer_dist.ddp import wrap_ddp
@@ -28,8 +29,8 @@ def is_main_process():
     return get_rank() == 0
 
 
-__all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'DEFAULT_TIMEOUT',
-           'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly', 'RankZeroOutput',
-           'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group', 'distributed_callbacks',
-           'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch', 'process_group',
-           'resolve', 'wrap_ddp', '__version__']
+__all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
+           'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly',
+           'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group',
+           'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
+           'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']

@@ -2,11 +2,14 @@
 
 gloo reports a dead peer as "Connection reset by peer" or "Connection closed by peer", and a
 silent one as "Timed out waiting ...", never naming the rank or its error. Here a failing rank
-writes ``rank R failed: Type: message`` to the rendezvous store before it exits, and the others
-read it back when their collective breaks, so every rank ends with the same root cause.
+writes ``rank R failed: Type: message`` to the rendezvous store, then closes its gloo connections
+so that the others' collectives break at once rather than at the timeout; they read the line back,
+so every rank ends with the same root cause. A peer that died without a word is found by its pid
+when it ran on this machine, and a silent one is named after the timeout.
 """
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,64 +49,200 @@ def is_communication_error(error):
     return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _COMM_MARKERS)
 
 
-def publish(store, env, error):
+def publish(store, env, error, cause=None):
     """Record this rank's failure in the store, unless another rank's failure is already there.
 
-    Rank 0 hosts the store: after publishing it waits briefly (at most 3 s) until every other rank has
-    read the cause, so that they can report it.
+    Rank 0 hosts the store: after publishing it waits briefly (at most 3 s) until every other live
+    rank has read the cause, so that they can report it.
 
     Args:
         store (torch.distributed.Store): the job's store
         env (DistEnv): this process's place in the job
         error (BaseException): what ended this rank
+        cause (str): the root cause found by :func:`diagnose`, published instead of ``error`` so that
+            the remaining ranks read it at once
     """
     if store is None or env is None or env.world_size == 1:
         return
-    line = 'rank {} failed: {}'.format(env.rank, describe(error))
+    line = cause if cause is not None else 'rank {} failed: {}'.format(env.rank, describe(error))
+    if env.rank != 0 and _probe(env.host, env.port) != 'ok':  # the store died with rank 0: nothing to tell
+        break_collectives()
+        return
     try:
         store.set_timeout(_SHORT)
         store.compare_set('error', '', line)
-    except Exception:  # the store died with rank 0: nothing to tell
-        return
+    except Exception:
+        pass
+    break_collectives()  # after publishing: the peers whose collectives break read the cause at once
     if env.rank == 0:
-        if dist.is_initialized():  # break the peers' pending collectives so they look now
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + (3 if cause is None else 1)
         while time.monotonic() < deadline:
             try:
-                if store.add('error_seen', 0) >= env.world_size - 1:
+                if store.add('error_seen', 0) >= env.world_size - 1 - len(_dead_local_ranks()):
                     return
             except Exception:
                 return
             time.sleep(0.05)
 
 
-def _dead_local_ranks(store, env):
-    host = os.uname().nodename
-    dead = []
-    for other in range(env.world_size):
-        if other == env.rank:
+def open_sockets():
+    """This process's sockets, to tell later which ones a call opened (Linux; empty elsewhere).
+
+    Returns:
+        dict: ``{file descriptor: socket inode}``
+    """
+    found = {}
+    try:
+        fds = os.listdir('/proc/self/fd')
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink('/proc/self/fd/{}'.format(fd))
+        except OSError:
+            continue
+        if target.startswith('socket:['):
+            found[int(fd)] = target[len('socket:['):-1]
+    return found
+
+
+_group_sockets = {}
+
+
+def note_group_sockets(before):
+    """Remember the sockets that the default process group opened, to close them on failure.
+
+    Args:
+        before (dict): what :func:`open_sockets` returned just before ``init_process_group``
+    """
+    _group_sockets.clear()
+    _group_sockets.update({fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode})
+
+
+def forget_group():
+    """Drop what :func:`remember_peers` and :func:`note_group_sockets` noted, when the group is torn down."""
+    _group_sockets.clear()
+    _peers.clear()
+
+
+def break_collectives():
+    """Close this rank's connections of the default process group, so that peers waiting on it fail now.
+
+    ``destroy_process_group`` alone leaves gloo's sockets open while anything still holds the group
+    (a pending gradient all-reduce referenced from the traceback), and peers would wait out the
+    timeout. The store's connections stay open, so that the peers can read the cause.
+    """
+    sockets, now = dict(_group_sockets), open_sockets()
+    _group_sockets.clear()
+    for fd, inode in sockets.items():
+        if now.get(fd) != inode:
             continue
         try:
-            name, pid = store.get('addr/{}'.format(other)).decode().split()
-        except Exception:
-            continue
-        if name != host:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            dead.append(other)
-        except PermissionError:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # gloo aborts if its listener breaks
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
-    return dead
+        finally:
+            sock.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def remember_peers(store, env):
+    """Note where every rank runs (host name and pid), to tell later which local peers died.
+
+    Called once after the handshake, while the store is sure to answer.
+
+    Args:
+        store (torch.distributed.Store): the job's store
+        env (DistEnv): this process's place in the job
+    """
+    peers = {}
+    for other in range(env.world_size):
+        if other != env.rank:
+            try:
+                name, pid = store.get('addr/{}'.format(other)).decode().split()
+                peers[other] = (name, int(pid))
+            except Exception:  # not essential: diagnose says less
+                pass
+    _peers.clear()
+    _peers.update(peers)
+
+
+_peers = {}
+
+
+def _is_dead(pid):
+    try:
+        with open('/proc/{}/stat'.format(pid)) as f:
+            return f.read().rsplit(')', 1)[1].split()[0] in ('Z', 'X')  # an unreaped zombie is dead too
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _dead_local_ranks():
+    host = os.uname().nodename
+    return [other for other, (name, pid) in sorted(_peers.items()) if name == host and _is_dead(pid)]
+
+
+def _read_cause(store, wait, deaths=True):
+    """Poll the store for ``wait`` s: the published cause, or (with ``deaths``) a line about local peers
+    that died without one.
+
+    Returns None when neither appears; raises when the store itself is gone.
+    """
+    store.set_timeout(_SHORT)
+    deadline = time.monotonic() + wait
+    while True:
+        dead = _dead_local_ranks() if deaths else []
+        if store.check(['error']):
+            cause = store.get('error').decode()
+            store.add('error_seen', 1)
+            return cause
+        if dead:  # checked before the error key: a rank publishes before it exits
+            return ('rank {} died without reporting an error: it was killed (by the OOM killer, or a signal) or '
+                    'crashed in native code; see its log and dmesg'.format(', '.join(map(str, dead))))
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _probe(host, port):
+    """``'ok'``, ``'refused'`` or ``'silent'``: whether the master's store still accepts connections."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return 'ok'
+    except ConnectionRefusedError:
+        return 'refused'
+    except OSError:
+        return 'silent'
+
+
+def _master_gone(env):
+    return ('rank 0 (the master at {}) is gone: its process died or its host became unreachable; see rank 0\'s '
+            'log for its error'.format(env.address))
 
 
 def diagnose(store, env, error):
     """Explain a broken collective by what happened on the other ranks.
+
+    Waits at most about 3 s for a cause published by the failed rank.
 
     Args:
         store (torch.distributed.Store): the job's store
@@ -111,35 +250,34 @@ def diagnose(store, env, error):
         error (BaseException): what this rank caught
 
     Returns:
-        str or None: one line naming the failed rank and its error, or None when ``error`` is this
-        rank's own failure and should propagate unchanged
+        str or None: one line naming the failed rank and its error (the root cause), or None when
+        ``error`` is this rank's own failure and should propagate unchanged
     """
     if store is None or env is None or env.world_size == 1 or not is_communication_error(error):
         return None
-    me = 'rank {} stopped'.format(env.rank)
     timed_out = 'timed out' in str(error).lower() or 'timeout' in str(error).lower()
-    try:
-        store.set_timeout(timedelta(seconds=3))
-        store.wait(['error'])
-        cause = store.get('error').decode()
-        store.add('error_seen', 1)
-        return '{} ({})'.format(cause, me)
-    except Exception as e:
-        lost = 'timeout' not in str(e).lower() and 'timed out' not in str(e).lower()
-        if env.rank != 0 and lost:
-            return ('rank 0 (the master at {}) is gone: its process died or its host became unreachable '
-                    '({})'.format(env.address, me))
-    dead = _dead_local_ranks(store, env)
-    if dead:
-        return 'rank {} died without reporting an error (killed, or crashed in native code) ({})'.format(
-            ', '.join(map(str, dead)), me)
+    master = 'ok' if env.rank == 0 else _probe(env.host, env.port)
+    if master == 'refused':
+        return _master_gone(env)
+    if master == 'ok':
+        try:
+            # After a timeout the peer was silent for that long: whatever it did since is no cause.
+            cause = _read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out)
+            if cause is not None:
+                return cause
+        except Exception:  # the store stopped answering
+            if env.rank != 0 and not timed_out:  # it lives in rank 0, whose sockets were closing
+                return _master_gone(env)
     others = [r for r in range(env.world_size) if r != env.rank]
     who = 'rank {}'.format(others[0]) if len(others) == 1 else 'a peer rank'
     if timed_out:
         return ('no answer from {} for {:g} s: its host is down, the network is partitioned, or it is stuck '
-                'outside the training loop ({})'.format(who, env.timeout.total_seconds(), me))
-    return '{} closed its connection without reporting an error: it exited or was killed ({}): {}'.format(
-        who, me, describe(error))
+                'outside the training loop; check that host, or raise timeout= if a step can take that '
+                'long'.format(who, env.timeout.total_seconds()))
+    text = str(error).lower()
+    if not ('gloo' in text or 'connection' in text or isinstance(error, getattr(dist, 'DistError', ()))):
+        return None  # this rank's own error, which only looked like a network one
+    return '{} closed its connection without reporting an error: it exited or was killed; see its log'.format(who)
 
 
 _watch = {'fd': None, 'previous': None}
@@ -187,6 +325,8 @@ def watch_interrupts(grace=2.0):
                 rank = '?' if env is None else env.rank
                 sys.stderr.write('torchbearer_dist: rank {} interrupted inside a collective; exiting\n'.format(rank))
                 sys.stderr.flush()
+                # Breaking the collectives below makes the main thread raise too; its traceback is noise.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
                 try:
                     publish(store, env, KeyboardInterrupt('interrupted (SIGINT)'))
                 finally:

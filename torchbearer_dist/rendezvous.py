@@ -13,6 +13,7 @@ import errno
 import os
 import socket
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -35,12 +36,48 @@ def current_store():
     return _current['store']
 
 
-def _bind_master(host, port):
+def _port_holder(port):
+    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``."""
+    inodes = set()
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == '0A' and int(fields[1].rsplit(':', 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add('socket:[{}]'.format(fields[9]))
+    if not inodes:
+        return ''
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            fds = os.listdir('/proc/{}/fd'.format(pid))
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink('/proc/{}/fd/{}'.format(pid, fd)) in inodes:
+                    with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+                        command = f.read().replace(b'\0', b' ').decode(errors='replace').strip()
+                    return ' (held by pid {}: {})'.format(pid, command[:80])
+            except OSError:
+                continue
+    return ''
+
+
+def _lookup(host, port, fix):
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise RuntimeError('cannot resolve master host {!r} ({}); pass --host as an address of the machine '
-                           'that runs rank 0'.format(host, e.strerror)) from None
+        raise RuntimeError('cannot resolve the master address {}:{} ({}); {}'.format(host, port, e.strerror, fix)) \
+            from None
+
+
+def _bind_master(host, port):
+    family, kind, proto, _, sockaddr = _lookup(host, port, 'pass --host as an address of the machine that runs '
+                                                            'rank 0')
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -49,9 +86,9 @@ def _bind_master(host, port):
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise RuntimeError('port {} on {} is already in use (another job, or a stale process from an '
+            raise RuntimeError('port {} on {} is already in use{} (another job, or a stale process from an '
                                'earlier run); pass a free --port or stop the process holding it'.format(
-                                   port, host)) from None
+                                   port, host, _port_holder(port))) from None
         if e.errno == errno.EADDRNOTAVAIL:
             raise RuntimeError('{} is not an address of this machine, but rank 0 listens there; run rank 0 '
                                'on the --host machine, or pass that machine\'s own address'.format(host)) from None
@@ -61,10 +98,7 @@ def _bind_master(host, port):
 
 def _connect(host, port, timeout):
     """Connect to the master's store, bounded by ``timeout`` even against a silent listener."""
-    try:
-        socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise RuntimeError('cannot resolve master host {!r} ({}); check --host'.format(host, e.strerror)) from None
+    _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
     result = {}
 
     def connect():
@@ -143,9 +177,20 @@ def _handshake(store, env):
               'rank {} of {} did not join at {}'.format(other, env.world_size, env.address))
         theirs = int(store.get('world_size/{}'.format(other)))
         if theirs != env.world_size:
+            store.set('checked/{}'.format(env.rank), 'mismatch')
+            if env.rank == 0:  # the store dies with rank 0: let the other side read rank 0's value first
+                _poll(store, 'checked/{}'.format(other), 3.0)
             raise ValueError('world size mismatch: this process (rank {}) has world_size={} but rank {} has '
                              'world_size={}; start every process with the same --world-size'.format(
                                  env.rank, env.world_size, other, theirs))
+    store.set('checked/{}'.format(env.rank), 'ok')
+
+
+def _poll(store, key, seconds):
+    """Wait up to ``seconds`` for ``key``; quietly, unlike ``store.wait`` whose timeout logs a C++ warning."""
+    deadline = time.monotonic() + seconds
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _set_gloo_interface(env, environ):
@@ -207,8 +252,21 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         if env.world_size > 1:
             store.set_timeout(env.timeout)
             _handshake(store, env)
-        dist.init_process_group(env.backend, store=dist.PrefixStore('pg', store), rank=env.rank,
-                                world_size=env.world_size, timeout=env.timeout)
+            faults.remember_peers(store, env)
+        sockets = faults.open_sockets()
+        try:
+            dist.init_process_group(env.backend, store=dist.PrefixStore('pg', store), rank=env.rank,
+                                    world_size=env.world_size, timeout=env.timeout)
+        except RuntimeError as error:
+            if 'connectFullMesh' not in str(error):
+                raise
+            name = environ.get('GLOO_SOCKET_IFNAME')
+            where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
+            raise RuntimeError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
+                               'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
+                               'machines'.format(env.rank, where, faults.describe(error))) from None
+        if env.backend == 'gloo' and env.world_size > 1:
+            faults.note_group_sockets(sockets)
     except BaseException:
         _release()
         raise
@@ -217,6 +275,7 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
 
 
 def _release():
+    faults.forget_group()
     if _current['socket'] is not None:
         _current['socket'].close()
     _current.update(env=None, store=None, socket=None)
@@ -244,9 +303,12 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
                   init_method=None, local_rank=None):
     """Run a block inside the job's process group, and always tear it down.
 
-    When the block raises, the error is published to the other ranks through the store, so that
-    each of them stops at once with one line naming this rank and its error. When a peer failed
-    first, the block's own error (a broken connection, a timeout) is replaced by the peer's.
+    When the block raises, the error is published to the other ranks through the store and this
+    rank's gloo connections are closed, so that each of them stops within seconds with one line
+    naming this rank and its error. When a peer failed first, the block's own error (a broken
+    connection, a timeout) is replaced by :class:`~torchbearer_dist.PeerFailedError` naming the
+    root cause, e.g. ``rank 1 failed: ValueError: bad batch (rank 0 stopped)``; a peer that died
+    without a word, or stopped answering, is named too.
 
     Example:
 
@@ -272,10 +334,10 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
         yield env
     except BaseException as error:
         cause = faults.diagnose(store, env, error)
-        faults.publish(store, env, error)
+        faults.publish(store, env, error, cause=cause)
         destroy_process_group()
         if cause is not None:
-            raise faults.PeerFailedError(cause) from error
+            raise faults.PeerFailedError('{} (rank {} stopped)'.format(cause, env.rank)) from error
         raise
     finally:
         destroy_process_group()
