@@ -357,11 +357,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Run the example; bad input ends with one line on stderr and exit status 2."""
+    """Run the example; bad input ends with one line on stderr and exit status 2, a failed peer with 1."""
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, RuntimeError) as error:  # tbd.PeerFailedError is a RuntimeError
+    except tbd.PeerFailedError as error:  # another rank failed during training: not bad input
+        print('error: {}'.format(str(error).strip().splitlines()[0]), file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError) as error:
         print('error: {}'.format(str(error).strip().splitlines()[0]), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

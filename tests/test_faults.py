@@ -479,7 +479,9 @@ def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
         other = 1 - interrupted
         print('Ctrl-C on rank {}: all ended in {:.2f} s: {}'.format(interrupted, elapsed, [r[1] for r in results]))
         assert elapsed < STOP_BOUND
-        assert results[interrupted][0] == 130, results[interrupted]
+        # 130 when the watcher thread exits first, -SIGINT when the main thread's KeyboardInterrupt wins the
+        # race: Python then re-raises SIGINT on itself at exit. A shell shows 130 for both.
+        assert results[interrupted][0] in (130, -signal.SIGINT), results[interrupted]
         assert results[interrupted][1] == 'torchbearer_dist: rank {} interrupted inside a collective; exiting\n'.format(
             interrupted)
         assert results[other][0] == 1
@@ -502,7 +504,7 @@ def _wait_for_ranks(launcher, count, timeout=90):
     deadline = time.monotonic() + timeout
     fd = launcher.stdout.fileno()
     seen = b''
-    while seen.splitlines().count(b'ready') < count:
+    while seen.count(b'ready') < count:  # ranks print concurrently: lines may interleave
         assert time.monotonic() < deadline and launcher.poll() is None, 'ranks not ready: {!r}'.format(seen)
         if select.select([fd], [], [], 0.1)[0]:
             seen += os.read(fd, 4096)
@@ -528,7 +530,7 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(target):
         elapsed = time.monotonic() - started
         print('Ctrl-C on the launcher ({}): all ended in {:.2f} s'.format(target, elapsed))
         assert elapsed < STOP_BOUND
-        assert launcher.returncode == 130, launcher.stderr.read()
+        assert launcher.returncode in (130, -signal.SIGINT), launcher.stderr.read()
         _assert_gone([launcher], port, within=0.5)
     finally:
         _kill_all([launcher])
