@@ -4,8 +4,6 @@ from torchbearer_dist.callbacks import (
     AgreeOnStop,
     AllReduceGradients,
     BroadcastParameters,
-    CheckReplicas,
-    EvenBatches,
     FlattenImages,
     SetSamplerEpoch,
     distributed_callbacks,
@@ -13,6 +11,7 @@ from torchbearer_dist.callbacks import (
 from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
+from torchbearer_dist.consistency import CheckReplicas, EvenBatches
 from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError

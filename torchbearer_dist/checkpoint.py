@@ -12,17 +12,13 @@ import pickle
 
 import torch
 import torchbearer
-from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
 from torchbearer_dist import comm
+from torchbearer_dist.ddp import unwrap
 
 #: Marks a file written by :func:`save_checkpoint`, and its layout version.
 FORMAT = 'torchbearer_dist.checkpoint/1'
-
-
-def _unwrap(model):
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _plain(value):
@@ -107,7 +103,7 @@ def save_checkpoint(path, model, optimizer=None, history=()):
         return False
     payload = {
         'format': FORMAT,
-        'model': _unwrap(model).state_dict(),
+        'model': unwrap(model).state_dict(),
         'optimizer': None if optimizer is None else optimizer.state_dict(),
         'history': [{str(k): _plain(v) for k, v in entry.items()} for entry in history],
         'world_size': comm.world_size(),
@@ -164,7 +160,7 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
         optimizer = trial.state[torchbearer.OPTIMIZER] if optimizer is None else optimizer
         trial.state[torchbearer.HISTORY] = [dict(entry) for entry in payload['history']]
     if model is not None:
-        _unwrap(model).load_state_dict(payload['model'])
+        unwrap(model).load_state_dict(payload['model'])
     if optimizer is not None and payload['optimizer'] is not None:
         optimizer.load_state_dict(payload['optimizer'])
     return payload

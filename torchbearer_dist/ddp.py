@@ -7,6 +7,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torchbearer_dist import rendezvous
 
 
+def unwrap(model):
+    """The module inside a DistributedDataParallel wrapper, or ``model`` itself.
+
+    Args:
+        model (torch.nn.Module): a model, wrapped or not
+
+    Returns:
+        torch.nn.Module: the model whose ``state_dict`` has no ``module.`` prefix
+    """
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def wrap_ddp(model, local_rank=None, **ddp_kwargs):
     """Move ``model`` to this process's GPU and wrap it in DistributedDataParallel.
 
