@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+
+import pytest
 
 import torchbearer_dist
 
@@ -24,6 +27,39 @@ def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, dead
     """Run module-level ``fn(*args)`` on ``world_size`` ranks; return each rank's result in rank order."""
     return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, deadline=deadline,
                                    **launch_kwargs)
+
+
+def run_in_step(scenarios):
+    """Inside a worker: run ``(name, fn)`` pairs in order, stopping every rank after any rank fails.
+
+    Starting ranks costs seconds, so a test file runs many scenarios in one launch. After each
+    scenario the ranks agree whether any of them failed; if one did, no rank runs the next, so a
+    failure can never leave the ranks waiting in different collectives.
+
+    Returns:
+        dict: name to ``{'value': what fn returned}`` or ``{'error': traceback text}``
+    """
+    results = {}
+    for name, fn in scenarios:
+        try:
+            results[name] = {'value': fn()}
+        except BaseException:
+            results[name] = {'error': traceback.format_exc()}
+        if torchbearer_dist.comm.any_rank('error' in results[name]):
+            break
+    return results
+
+
+def scenario_values(per_rank, name):
+    """Every rank's value of scenario ``name`` from :func:`run_in_step`; fail with a rank's traceback."""
+    values = []
+    for rank, results in enumerate(per_rank):
+        if name not in results:
+            pytest.fail('{} was not run: an earlier scenario failed'.format(name))
+        if 'error' in results[name]:
+            pytest.fail('rank {} failed in {}:\n{}'.format(rank, name, results[name]['error']))
+        values.append(results[name]['value'])
+    return values
 
 
 def child_env(**extra):

@@ -6,7 +6,6 @@ checks its own scenario. A scenario that must raise asserts that on every rank w
 survived, no rank aborted or hangs. After a scenario fails on any rank, the rest are not run.
 """
 import copy
-import traceback
 import warnings
 
 import pytest
@@ -28,7 +27,7 @@ from torchbearer_dist import (
     distributed_callbacks,
 )
 
-from _dist import run_workers
+from _dist import run_in_step, run_workers, scenario_values
 
 
 def _rank():
@@ -297,31 +296,12 @@ SCENARIOS = {
 
 def _worker_scenarios():
     torch.set_num_threads(1)
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = {'value': SCENARIOS[name]()}
-        except BaseException:
-            results[name] = {'error': traceback.format_exc()}
-        if torchbearer_dist.comm.any_rank('error' in results[name]):
-            break  # keep the ranks in step: what follows a failure is not run
-    return results
+    return run_in_step(SCENARIOS.items())
 
 
 @pytest.fixture(scope='module')
 def scenarios():
     return run_workers(_worker_scenarios, 2, deadline=90)
-
-
-def _ranks(scenarios, name):
-    out = []
-    for rank, results in enumerate(scenarios):
-        if name not in results:
-            pytest.fail('{} was not run: an earlier scenario failed'.format(name))
-        if 'error' in results[name]:
-            pytest.fail('rank {} failed in {}:\n{}'.format(rank, name, results[name]['error']))
-        out.append(results[name]['value'])
-    return out
 
 
 def _assert_equal(a, b):
@@ -333,7 +313,7 @@ def _assert_equal(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize('method', ['broadcast', 'p2p'])
 def test_broadcast_makes_replicas_identical_buffers_included(scenarios, method):
-    rank0, rank1 = _ranks(scenarios, method)
+    rank0, rank1 = scenario_values(scenarios, method)
     assert not torch.equal(rank0['before']['0.weight'], rank1['before']['0.weight'])
     assert rank1['before']['1.num_batches_tracked'].item() == 8
     _assert_equal(rank0['after'], rank0['before'])  # copied from rank 0, never averaged
@@ -343,13 +323,13 @@ def test_broadcast_makes_replicas_identical_buffers_included(scenarios, method):
 
 @pytest.mark.slow
 def test_model_mismatch_fails_every_rank_naming_the_entry(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'mismatch')
+    rank0, rank1 = scenario_values(scenarios, 'mismatch')
     assert rank0 == rank1  # every rank reports the same root cause
 
 
 @pytest.mark.slow
 def test_gradient_unused_on_one_rank_is_averaged_with_zeros(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'unused_and_frozen')
+    rank0, rank1 = scenario_values(scenarios, 'unused_and_frozen')
     for name in ('shared.weight', 'shared.bias', 'branch.weight', 'branch.bias'):
         locals_ = [r['local'][name] for r in (rank0, rank1)]
         zero = torch.zeros_like(next(g for g in locals_ if g is not None))
@@ -363,7 +343,7 @@ def test_gradient_unused_on_one_rank_is_averaged_with_zeros(scenarios):
 
 @pytest.mark.slow
 def test_frozen_parameters_are_untouched_and_not_communicated(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'unused_and_frozen')
+    rank0, rank1 = scenario_values(scenarios, 'unused_and_frozen')
     for rank in (rank0, rank1):
         assert rank['synced']['frozen.weight'] is None
         _assert_equal(rank['frozen_after'], rank['frozen_before'])
@@ -374,7 +354,7 @@ def test_frozen_parameters_are_untouched_and_not_communicated(scenarios):
 
 @pytest.mark.slow
 def test_ddp_model_warns_once_and_gradients_are_left_to_ddp(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'ddp_model')
+    rank0, rank1 = scenario_values(scenarios, 'ddp_model')
     for rank in (rank0, rank1):
         assert len(rank['warnings']) == 1, rank['warnings']
         assert rank['buckets'] is None
@@ -386,7 +366,7 @@ def test_ddp_model_warns_once_and_gradients_are_left_to_ddp(scenarios):
 
 @pytest.mark.slow
 def test_nonfinite_gradient_on_one_rank_skips_the_step_on_both(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'nonfinite_skip')
+    rank0, rank1 = scenario_values(scenarios, 'nonfinite_skip')
     assert rank0['skipped'] == rank1['skipped'] == 1
     assert len(rank0['params']) == len(rank1['params']) == 5
     for step in range(5):
@@ -397,14 +377,14 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_on_both(scenarios):
 
 @pytest.mark.slow
 def test_nonfinite_gradient_with_raise_stops_both_ranks(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'nonfinite_raise')
+    rank0, rank1 = scenario_values(scenarios, 'nonfinite_raise')
     assert rank0['steps'] == rank1['steps'] == {0: 2}
     _assert_equal(rank0['params'], rank1['params'])
 
 
 @pytest.mark.slow
 def test_stop_on_one_rank_stops_both_at_the_same_step(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'stop')
+    rank0, rank1 = scenario_values(scenarios, 'stop')
     # Set after batch 3 on rank 1: it travels with the next step's gradients; both stop after batch 4.
     assert rank0['step']['steps'] == rank1['step']['steps'] == {0: 5}
     _assert_equal(rank0['step']['params'], rank1['step']['params'])
@@ -416,7 +396,7 @@ def test_stop_on_one_rank_stops_both_at_the_same_step(scenarios):
 
 @pytest.mark.slow
 def test_uneven_batches_stop_at_the_shortest(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'uneven_min')
+    rank0, rank1 = scenario_values(scenarios, 'uneven_min')
     assert rank0['steps'] == rank1['steps'] == {0: 5, 1: 5}
     _assert_equal(rank0['params'], rank1['params'])
     assert rank0['warnings'] == ['ranks have unequal numbers of training batches (fewest 5, most 6): every rank '
@@ -426,13 +406,13 @@ def test_uneven_batches_stop_at_the_shortest(scenarios):
 
 @pytest.mark.slow
 def test_uneven_batches_with_error_policy_raise_before_step_one(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'uneven_error')
+    rank0, rank1 = scenario_values(scenarios, 'uneven_error')
     assert rank0['steps'] == rank1['steps'] == {}
 
 
 @pytest.mark.slow
 def test_check_replicas_names_a_parameter_changed_on_one_rank(scenarios):
-    rank0, rank1 = _ranks(scenarios, 'check_replicas')
+    rank0, rank1 = scenario_values(scenarios, 'check_replicas')
     assert rank0['steps'] == rank1['steps'] == {0: 4}  # changed after step 3, found at the check after step 4
 
 

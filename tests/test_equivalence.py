@@ -4,7 +4,7 @@ Every configuration trains in one launch of two ranks (a spawn costs seconds on 
 each test then checks its own configuration. The ranks start from differently seeded models, so
 BroadcastParameters is part of what is checked: rank 0 is seeded like the single-process reference.
 """
-import traceback
+import functools
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchbearer_dist
 
-from _dist import run_workers
+from _dist import run_in_step, run_workers, scenario_values
 
 B = 4
 STEPS = 10
@@ -144,35 +144,19 @@ CONFIGS = {
 }
 
 
+def _run_config(name):
+    how, kind, options = CONFIGS[name]
+    return _train_trial(kind, options) if how == 'trial' else _train_ddp(kind)
+
+
 def _worker_train_all():
     torch.set_num_threads(1)
-    results = {}
-    for name in sorted(CONFIGS):
-        how, kind, options = CONFIGS[name]
-        try:
-            results[name] = _train_trial(kind, options) if how == 'trial' else _train_ddp(kind)
-        except Exception:
-            results[name] = {'error': traceback.format_exc()}
-        if torchbearer_dist.comm.any_rank('error' in results[name]):
-            break  # keep the ranks in step: what follows a failure is not run
-    return results
+    return run_in_step((name, functools.partial(_run_config, name)) for name in sorted(CONFIGS))
 
 
 @pytest.fixture(scope='module')
 def trained():
     return run_workers(_worker_train_all, 2, deadline=90)
-
-
-def _ranks(trained, name):
-    """Both ranks' results of one configuration, failing with the rank's traceback if it raised."""
-    out = []
-    for rank, results in enumerate(trained):
-        if name not in results:
-            pytest.fail('{} was not run: an earlier configuration failed'.format(name))
-        if 'error' in results[name]:
-            pytest.fail('rank {} failed in {}:\n{}'.format(rank, name, results[name]['error']))
-        out.append(results[name])
-    return out
 
 
 def _assert_equal(a, b):
@@ -194,7 +178,7 @@ def _params(state):
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process_at_twice_the_batch(trained):
-    rank0, rank1 = _ranks(trained, 'plain')
+    rank0, rank1 = scenario_values(trained, 'plain')
     _assert_equal(rank0['state'], rank1['state'])
     reference = _reference('mlp')
     _assert_close(rank0['state'], reference, rtol=1e-5, atol=1e-6)
@@ -204,15 +188,15 @@ def test_two_ranks_match_one_process_at_twice_the_batch(trained):
 
 @pytest.mark.slow
 def test_two_ranks_match_torch_ddp(trained):
-    rank0, rank1 = _ranks(trained, 'plain')
-    ddp0, ddp1 = _ranks(trained, 'ddp')
+    rank0, rank1 = scenario_values(trained, 'plain')
+    ddp0, ddp1 = scenario_values(trained, 'ddp')
     _assert_equal(ddp0['state'], ddp1['state'])
     _assert_close(rank0['state'], ddp0['state'], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_parameters_of_several_dtypes(trained):
-    rank0, rank1 = _ranks(trained, 'dtypes')
+    rank0, rank1 = scenario_values(trained, 'dtypes')
     _assert_equal(rank0['state'], rank1['state'])
     assert rank0['buckets'] == 2  # one bucket per dtype
     reference = _reference('dtypes')
@@ -222,8 +206,8 @@ def test_parameters_of_several_dtypes(trained):
 
 @pytest.mark.slow
 def test_batchnorm_model_matches_ddp(trained):
-    rank0, rank1 = _ranks(trained, 'bn')
-    ddp0, _ = _ranks(trained, 'ddp_bn')
+    rank0, rank1 = scenario_values(trained, 'bn')
+    ddp0, _ = scenario_values(trained, 'ddp_bn')
     _assert_equal(rank0['state'], rank1['state'])  # rank 0's running statistics are copied at each epoch end
     _assert_close(_params(rank0['state']), _params(ddp0['state']), rtol=1e-5, atol=1e-6)
     # Rank 0's running statistics come from rank 0's batches alone, under DDP as here.
@@ -234,16 +218,16 @@ def test_batchnorm_model_matches_ddp(trained):
 @pytest.mark.slow
 @pytest.mark.parametrize('compression, atol', [('fp16', 2e-3), ('bf16', 2e-2)])
 def test_compressed_gradients_stay_close(trained, compression, atol):
-    rank0, rank1 = _ranks(trained, compression)
+    rank0, rank1 = scenario_values(trained, compression)
     _assert_equal(rank0['state'], rank1['state'])
-    exact, _ = _ranks(trained, 'plain')
+    exact, _ = scenario_values(trained, 'plain')
     _assert_close(rank0['state'], exact['state'], rtol=1e-2, atol=atol)
 
 
 @pytest.mark.slow
 def test_many_small_buckets_equal_one_bucket(trained):
-    many0, many1 = _ranks(trained, 'many_buckets')
-    one0, _ = _ranks(trained, 'one_bucket')
+    many0, many1 = scenario_values(trained, 'many_buckets')
+    one0, _ = scenario_values(trained, 'one_bucket')
     assert many0['buckets'] == 4 and one0['buckets'] == 1
     _assert_equal(many0['state'], many1['state'])
     _assert_equal(many0['state'], one0['state'])
@@ -251,7 +235,7 @@ def test_many_small_buckets_equal_one_bucket(trained):
 
 @pytest.mark.slow
 def test_sync_every_accumulates_locally_then_averages(trained):
-    rank0, rank1 = _ranks(trained, 'sync_every')
+    rank0, rank1 = scenario_values(trained, 'sync_every')
     _assert_equal(rank0['state'], rank1['state'])
     _assert_close(rank0['state'], _reference('mlp', accumulate=2), rtol=1e-5, atol=1e-6)
 
