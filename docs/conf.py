@@ -1,4 +1,4 @@
-"""Sphinx configuration of torchbearer_dist's documentation; build with ``sphinx-build -W -b html docs docs/_build``."""
+"""Sphinx configuration; build with ``sphinx-build -n -W -b html docs docs/_build/html``."""
 import os
 import sys
 
@@ -17,6 +17,7 @@ extensions = [
     'sphinx.ext.intersphinx',
     'sphinx.ext.napoleon',
     'sphinx.ext.viewcode',
+    'sphinx_copybutton',
 ]
 
 autodoc_member_order = 'bysource'
@@ -36,5 +37,10 @@ if os.environ.get('TORCHBEARER_DIST_DOCS_ONLINE') == '1':
 
 templates_path = []
 exclude_patterns = ['_build']
-html_theme = 'alabaster'
+# furo: maintained, readable at laptop widths, code blocks scroll inside their box.
+html_theme = 'furo'
+html_title = 'torchbearer_dist ' + release
 html_static_path = []
+# The copy button copies a command without its "$ " prompt, and leaves out the output lines after it.
+copybutton_prompt_text = r'\$ '
+copybutton_prompt_is_regexp = True
