@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -208,3 +209,23 @@ def test_mnist_in_data_dir_is_preferred(tmp_path):
     assert len(train) == 300 and len(test) == 100
     torch.testing.assert_close(train.tensors[0], images[:300], atol=1e-5, rtol=0)
     assert torch.equal(train.tensors[1], labels[:300])
+
+
+OWN_SCRIPT = os.path.join(ROOT, 'examples', 'own_script.py')
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which('torchrun') is None, reason='torchrun is not on PATH')
+def test_own_script_resumes_as_if_never_stopped(tmp_path):
+    """The "Your own script" page's script: 1 epoch, then resumed to 2, prints what 2 at once print."""
+    def torchrun(epochs, checkpoint):
+        result = run_command([shutil.which('torchrun'), '--standalone', '--nproc-per-node', '2', OWN_SCRIPT,
+                              '--epochs', str(epochs), '--checkpoint', str(tmp_path / checkpoint)],
+                             timeout=RUN_TIMEOUT, cwd=str(tmp_path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [line for line in result.stdout.splitlines() if line.startswith('epochs ')]
+
+    assert len(torchrun(1, 'resumed.pt')) == 1  # printed once, by rank 0
+    resumed = torchrun(2, 'resumed.pt')
+    assert resumed == torchrun(2, 'straight.pt')
+    assert resumed[0].startswith('epochs 2: loss ')

@@ -177,7 +177,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         world_size (int): number of processes, at least 1
         host (str): address or name of the machine that runs rank 0
         port (int): port of the rendezvous store on ``host``, in 1..65535
-        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; gloo by default (see :func:`torchbearer_dist.env.default_backend`)
+        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; gloo by default, see
+            :func:`torchbearer_dist.env.default_backend`
         timeout (float or datetime.timedelta): bound for rendezvous and collectives, in seconds;
             by default :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
         init_method (str): ``'file:///shared/path'`` to meet through a file on a shared filesystem
