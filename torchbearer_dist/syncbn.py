@@ -22,15 +22,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, running_mean, running_var, eps, momentum, group):
         channels = input.size(1)
         dims = [0] + list(range(2, input.dim()))
+        shape = [1, channels] + [1] * (input.dim() - 2)
         compute = torch.float64 if input.dtype == torch.float64 else torch.float32
         x = input.to(compute)
         count = input.numel() // channels
         if count > 0:
-            # Welford per rank in the input precision, then Chan's combine carried in float64:
-            # sum and sum of squares rebuilt from each rank's mean and centered M2 lose nothing.
-            var, mean = torch.var_mean(x, dim=dims, correction=0)
-            mean, var = mean.double(), var.double()
-            local = torch.cat([mean * count, (var + mean * mean) * count, mean.new_tensor([count])])
+            # Each rank's mean and centered sum of squares (two passes, exact in the input precision),
+            # then Chan's combine carried in float64: the all-reduced sums of x and x**2 lose nothing.
+            mean = x.mean(dims)
+            m2 = (x - mean.view(shape)).square_().sum(dims).double()
+            mean = mean.double()
+            local = torch.cat([mean * count, m2 + mean * mean * count, mean.new_tensor([count])])
         else:
             local = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
         dist.all_reduce(local, group=group)
@@ -61,9 +63,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = [1, channels] + [1] * (input.dim() - 2)
         compute = mean.dtype
         dy = grad_output.to(compute)
-        centered = input.to(compute) - mean.view(shape)
         sum_dy = dy.sum(dims)
-        sum_dy_centered = (dy * centered).sum(dims)
+        centered = input.to(compute) - mean.view(shape)
+        sum_dy_centered = (centered * dy).sum(dims)
         grad_input = grad_weight = grad_bias = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_centered * invstd).to(weight.dtype)
@@ -74,9 +76,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             dist.all_reduce(both, group=ctx.group)
             mean_dy = (both[:channels] / ctx.total).to(compute)
             mean_dy_centered = (both[channels:] / ctx.total).to(compute)
+            # dx = scale * (dy - mean(dy) - (x - mean) * invstd**2 * mean(dy * (x - mean))) in two fused passes.
             scale = invstd if weight is None else invstd * weight.to(compute)
-            grad_input = (dy - mean_dy.view(shape) - centered * (invstd * invstd * mean_dy_centered).view(shape))
-            grad_input = (grad_input * scale.view(shape)).to(input.dtype)
+            slope = invstd * invstd * mean_dy_centered * scale
+            grad_input = torch.addcmul((-mean_dy * scale).view(shape), centered, -slope.view(shape))
+            grad_input = grad_input.addcmul_(dy, scale.view(shape)).to(input.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
