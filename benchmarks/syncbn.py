@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/syncbn.py            # accuracy check, then interleaved timing (about two minutes)
-    python benchmarks/syncbn.py --quick    # a smoke run of seconds
+    python benchmarks/syncbn.py            # accuracy, then interleaved timing; writes benchmarks/results/syncbn.txt
+    python benchmarks/syncbn.py --quick    # a smoke run of seconds, writes nothing
 
 Accuracy: 2 ranks at batch B against one process at 2B with plain BatchNorm, after 2 epochs of a
 Linear-BatchNorm1d-Tanh-Linear model and of a Conv-BatchNorm2d CNN; the largest absolute difference
@@ -16,6 +16,7 @@ each repeat; figures are medians over repeats of rank 0's milliseconds per step,
 medians of ratios taken within the same repeat.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -124,33 +125,44 @@ def _worker(batch, steps, repeats, check_steps):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--quick', action='store_true', help='a smoke run: few steps, 2 repeats')
-    parser.add_argument('--repeats', type=int, default=None, help='timed runs per contender (default 9, quick 2)')
+    parser.add_argument('--repeats', type=int, default=None, help='timed runs per contender (default 15, quick 2)')
     parser.add_argument('--steps', type=int, default=None, help='steps per timed run (default 40, quick 4)')
     parser.add_argument('--batch-size', type=int, default=32, help='samples per step on each rank')
+    parser.add_argument('--out', type=str, default=None,
+                        help='where to write the report (default benchmarks/results/syncbn.txt; none with --quick)')
     args = parser.parse_args(argv)
-    repeats = args.repeats or (2 if args.quick else 9)
+    out = args.out or (None if args.quick else os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
+                                                            'syncbn.txt'))
+    repeats = args.repeats or (2 if args.quick else 15)
     steps = args.steps or (4 if args.quick else 40)
     check_steps = 3 if args.quick else 10
     rank0 = torchbearer_dist.launch(_worker, 2, args=(args.batch_size, steps, repeats, check_steps), timeout=120)[0]
 
-    print('Difference to one process at 2x the batch after 2 epochs (max abs, per kind of tensor):')
+    lines = ['Difference to one process at 2x the batch after 2 epochs (max abs, per kind of tensor):']
     for kind in ('mlp', 'cnn'):
         reference = _train_reference(kind, 4, check_steps)
         for convert in (True, False):
             diffs = _max_diffs(rank0['accuracy'][(kind, convert)], reference)
-            print('  {:4} {:18} {}'.format(kind, 'convert_sync_batchnorm' if convert else 'plain BatchNorm',
-                                           '  '.join('{} {:.1e}'.format(k, v) for k, v in sorted(diffs.items()))))
-
+            figures = '  '.join('{} {:.1e}'.format(k, v) for k, v in sorted(diffs.items()))
+            lines.append('  {:4} {:23} {}'.format(kind, 'convert_sync_batchnorm' if convert else 'plain BatchNorm',
+                                                  figures))
     timings = rank0['timings']
-    print('\nCNN with 2 BatchNorm2d layers, batch {} per rank, 2 ranks over loopback gloo, 1 thread each; '
-          'median of {} interleaved repeats of {} steps:'.format(args.batch_size, repeats, steps))
+    lines += ['', 'CNN with 2 BatchNorm2d layers, batch {} per rank, 2 ranks over loopback gloo, 1 thread each;'
+              .format(args.batch_size),
+              'ms per step, median [min, max] of {} interleaved repeats of {} steps:'.format(repeats, steps)]
     for name in CONTENDERS:
         values = [row[name] for row in timings]
-        print('  {:17} {:7.2f} ms/step  (min {:.2f}, max {:.2f})'.format(name, statistics.median(values), min(values),
-                                                                          max(values)))
+        lines.append('  {:17} {:7.2f}  [{:.2f}, {:.2f}]'.format(name, statistics.median(values), min(values),
+                                                                max(values)))
+    lines.append('Overhead, median of the ratios within each repeat:')
     for slow, fast in (('callbacks_syncbn', 'callbacks_bn'), ('ddp_syncbn', 'ddp_bn'), ('callbacks_syncbn', 'ddp_bn')):
         ratio = statistics.median(row[slow] / row[fast] for row in timings)
-        print('  {} / {}: {:.3f}'.format(slow, fast, ratio))
+        lines.append('  {:17} / {:13} {:.3f}'.format(slow, fast, ratio))
+    text = '\n'.join(lines) + '\n'
+    print(text, end='')
+    if out is not None:
+        with open(out, 'w') as f:
+            f.write(text)
 
 
 if __name__ == '__main__':

@@ -166,7 +166,7 @@ def convert_sync_batchnorm(module, process_group=None):
     Args:
         module (torch.nn.Module): a model holding BatchNorm layers, or one BatchNorm layer
         process_group (torch.distributed.ProcessGroup): the ranks whose batches are pooled; default
-            every rank
+            every rank (or, for a :class:`torch.nn.SyncBatchNorm`, its own group)
 
     Returns:
         torch.nn.Module: ``module`` with its layers replaced in place, or a new :class:`SyncBatchNorm`
@@ -182,8 +182,9 @@ def convert_sync_batchnorm(module, process_group=None):
         raise ValueError('module should be a torch.nn.Module, but given {!r}'.format(type(module).__name__))
     converted = module
     if isinstance(module, CONVERTED) and not isinstance(module, SyncBatchNorm):
+        group = process_group if process_group is not None else getattr(module, 'process_group', None)
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group,
+                                  module.track_running_stats, group,
                                   bias=getattr(module, 'bias', None) is not None or not module.affine)
         converted.weight, converted.bias = module.weight, module.bias
         converted.running_mean, converted.running_var = module.running_mean, module.running_var
