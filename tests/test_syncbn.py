@@ -117,7 +117,23 @@ def _eval_on_rank0_only():
     return True
 
 
+def _count_all_reduces():
+    """All-reduces of one training step and of one eval forward, as torch's profiler sees them."""
+    model = convert_sync_batchnorm(_model('1d', SEED))
+    x = _data('1d')[0][:B]
+    counts = []
+    for train in (True, False):
+        model.train(train)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = model(x)
+            if train:
+                out.sum().backward()
+        counts.append(sum(event.name == 'c10d::allreduce_' for event in prof.events()))
+    return counts
+
+
 SCENARIOS = {
+    'collectives': _count_all_reduces,
     'bn1d': functools.partial(_train, '1d'),
     'bn2d': functools.partial(_train, '2d'),
     'plain_bn1d': functools.partial(_train, '1d', convert=False),
@@ -180,6 +196,12 @@ def test_uneven_batches_and_a_rank_with_no_samples(trained):
     reference = _reference('1d', _uneven_batches(*_data('1d')))
     _assert_matches(rank0, reference)
     _assert_matches(rank1, reference)
+
+
+@pytest.mark.slow
+def test_one_small_all_reduce_per_layer_each_way(trained):
+    # two BatchNorm layers: one all-reduce each in forward and in backward; none in eval mode
+    assert scenario_values(trained, 'collectives') == [[4, 0], [4, 0]]
 
 
 @pytest.mark.slow
