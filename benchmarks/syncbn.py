@@ -12,8 +12,9 @@ per kind of tensor, for converted layers and, for contrast, plain ones.
 Timing: four contenders train the same CNN (two BatchNorm2d layers) in a torchbearer Trial: plain
 BatchNorm or converted, with ``distributed_callbacks()`` or in torch DistributedDataParallel on CPU
 (whose BatchNorm syncs nothing). Each repeat runs every contender once, in an order rotated by one
-each repeat; figures are medians over repeats of rank 0's milliseconds per step, and overheads are
-medians of ratios taken within the same repeat.
+each repeat; figures are medians over repeats of rank 0's milliseconds per step, by the wall clock
+and in CPU time (all of the rank's threads: robust to a busy machine, blind to waiting), and
+overheads are medians of ratios taken within the same repeat.
 """
 import argparse
 import os
@@ -114,10 +115,11 @@ def _worker(batch, steps, repeats, check_steps):
         for name in order:
             trial = trials[name]
             dist.barrier()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             trial.run(len(trial.state[torchbearer.HISTORY]) + 1)
+            cpu = time.process_time() - cpu  # every thread of this rank, gloo's included; no waiting
             dist.barrier()
-            row[name] = (time.perf_counter() - started) * 1000 / steps
+            row[name] = ((time.perf_counter() - started) * 1000 / steps, cpu * 1000 / steps)
         timings.append(row)
     return {'accuracy': accuracy, 'timings': timings}
 
@@ -136,6 +138,7 @@ def main(argv=None):
     repeats = args.repeats or (2 if args.quick else 15)
     steps = args.steps or (4 if args.quick else 40)
     check_steps = 3 if args.quick else 10
+    load_before = os.getloadavg()[0]
     rank0 = torchbearer_dist.launch(_worker, 2, args=(args.batch_size, steps, repeats, check_steps), timeout=120)[0]
 
     lines = ['Difference to one process at 2x the batch after 2 epochs (max abs, per kind of tensor):']
@@ -149,15 +152,20 @@ def main(argv=None):
     timings = rank0['timings']
     lines += ['', 'CNN with 2 BatchNorm2d layers, batch {} per rank, 2 ranks over loopback gloo, 1 thread each;'
               .format(args.batch_size),
-              'ms per step, median [min, max] of {} interleaved repeats of {} steps:'.format(repeats, steps)]
+              'machine: {} cores, load average {:.1f} before and {:.1f} after (a busy machine inflates every '
+              'synchronization)'.format(os.cpu_count(), load_before, os.getloadavg()[0]),
+              'ms per step on rank 0, median [min, max] of {} interleaved repeats of {} steps:'.format(repeats, steps),
+              '  {:17} {:>24} {:>24}'.format('', 'wall clock', 'CPU time (all threads)')]
     for name in CONTENDERS:
-        values = [row[name] for row in timings]
-        lines.append('  {:17} {:7.2f}  [{:.2f}, {:.2f}]'.format(name, statistics.median(values), min(values),
-                                                                max(values)))
-    lines.append('Overhead, median of the ratios within each repeat:')
+        cells = []
+        for i in (0, 1):
+            values = [row[name][i] for row in timings]
+            cells.append('{:.2f} [{:.2f}, {:.2f}]'.format(statistics.median(values), min(values), max(values)))
+        lines.append('  {:17} {:>24} {:>24}'.format(name, *cells))
+    lines.append('Overhead, median of the ratios within each repeat (wall clock, CPU time):')
     for slow, fast in (('callbacks_syncbn', 'callbacks_bn'), ('ddp_syncbn', 'ddp_bn'), ('callbacks_syncbn', 'ddp_bn')):
-        ratio = statistics.median(row[slow] / row[fast] for row in timings)
-        lines.append('  {:17} / {:13} {:.3f}'.format(slow, fast, ratio))
+        ratios = [statistics.median(row[slow][i] / row[fast][i] for row in timings) for i in (0, 1)]
+        lines.append('  {:17} / {:13} {:.3f}  {:.3f}'.format(slow, fast, *ratios))
     text = '\n'.join(lines) + '\n'
     print(text, end='')
     if out is not None:

@@ -34,11 +34,13 @@ class ScaleLearningRate(Callback):
     thus see and set unscaled values in any callback order, and checkpoints hold unscaled values, so
     they resume on any world size. The factor in use is in ``state[torchbearer_dist.LR_FACTOR]``.
 
-    The trade-off: keeping the per-rank batch and scaling the learning rate by N keeps each rank's
-    work per step and lets N ranks take N times fewer steps per epoch; for small N this matches the
-    quality of one process at the per-rank batch, where keeping the learning rate loses accuracy
-    per epoch. For large k the rule breaks down (Goyal et al. found it holds up to a global batch of
-    8k on ImageNet); warm-up is what keeps the first steps from diverging.
+    The trade-off: N ranks that keep the per-rank batch take N times fewer steps per epoch. Scaling
+    the learning rate by N keeps the ratio of learning rate to batch, so for small N the run
+    reproduces the quality of one process at the per-rank batch (see the "BatchNorm and learning
+    rate on several ranks" page for figures on the MNIST example); keeping the learning rate is a
+    different, smaller-step training that may be better or worse. For large k the rule breaks down
+    (Goyal et al. saw it hold up to a global batch of 8k on ImageNet); warm-up is what keeps the
+    first steps from diverging.
 
     Example: ::
 
