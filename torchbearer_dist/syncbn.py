@@ -95,6 +95,28 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     ``track_running_stats=False`` in eval mode it is plain BatchNorm and communicates nothing. On a
     CUDA input under nccl it runs :meth:`torch.nn.SyncBatchNorm.forward`.
 
+    Example:
+
+        .. code-block:: python
+
+            layer = torchbearer_dist.SyncBatchNorm(16)   # or convert_sync_batchnorm(model)
+            y = layer(x)  # x: (N, 16, ...) on this rank; statistics over every rank's N
+
+    Args:
+        num_features (int): channels, ``C`` of an ``(N, C, ...)`` input
+        eps (float): added to the variance
+        momentum (float): weight of each batch in the running statistics; ``None``: cumulative average
+        affine (bool): learn a per-channel weight and bias
+        track_running_stats (bool): keep running statistics for eval mode
+        process_group (torch.distributed.ProcessGroup): the ranks whose batches are pooled; default every rank
+        device (torch.device): where parameters and buffers are created
+        dtype (torch.dtype): their dtype
+        bias (bool): with ``affine``, learn the bias too
+
+    Raises:
+        ValueError: an input of fewer than 2 dimensions or 0 channels, or, in training, at most one
+            value per channel over all ranks (raised on every rank alike)
+
     .. warning:: A synchronization point at every training forward and backward: every rank of the
         group must run them, each with a batch (a rank may bring 0 samples, the group at least 2).
     """
