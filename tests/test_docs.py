@@ -29,7 +29,7 @@ def built(tmp_path_factory):
 
 
 def test_docs_build_with_warnings_as_errors(built):
-    for page in ('index', 'tutorial', 'own_script', 'launching', 'api', 'troubleshooting', 'performance'):
+    for page in ('index', 'tutorial', 'own_script', 'scaling', 'launching', 'api', 'troubleshooting', 'performance'):
         assert (built / '{}.html'.format(page)).is_file(), page
 
 

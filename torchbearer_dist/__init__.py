@@ -16,9 +16,11 @@ from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError
 from torchbearer_dist.launcher import launch
+from torchbearer_dist.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
 from torchbearer_dist.rendezvous import current_env, destroy_process_group, init_process_group, process_group
+from torchbearer_dist.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = '0.1.0'
 
@@ -34,3 +36,4 @@ __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckRep
            'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
            'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
 __all__ += ['current_env']
+__all__ += ['LR_FACTOR', 'ScaleLearningRate', 'SyncBatchNorm', 'convert_sync_batchnorm']
