@@ -12,9 +12,11 @@ from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkp
 from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
 from torchbearer_dist.consistency import CheckReplicas, EvenBatches
+from torchbearer_dist.data import distributed_loader
 from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError
+from torchbearer_dist.gather import all_gather_rows, gather_predictions
 from torchbearer_dist.launcher import launch
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
@@ -33,3 +35,4 @@ __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckRep
            'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group',
            'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
            'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
+__all__ += ['all_gather_rows', 'distributed_loader', 'gather_predictions']
