@@ -230,7 +230,7 @@ class Checkpoint(Callback):
     The file is replaced atomically, so killing the job at any moment leaves the previous
     checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too. Resume
     with :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores
-    the schedulers once ``run()`` has rebuilt them, before the first epoch. At the start of each run
+    the schedulers once ``run()`` has rebuilt them, before the first epoch. At the start of training
     rank 0 checks that the directory of ``path`` exists, and every rank raises if it does not.
 
     Example:
@@ -256,7 +256,7 @@ class Checkpoint(Callback):
         - :attr:`torchbearer.state.HISTORY`: the epochs done
         - :attr:`torchbearer.state.CALLBACK_LIST`: the callbacks whose states are saved
 
-    .. warning:: A synchronization point at the start of each run (the directory check).
+    .. warning:: A synchronization point at the start of each ``run()`` (the directory check).
     """
 
     def __init__(self, path, every=1):
@@ -268,8 +268,15 @@ class Checkpoint(Callback):
         self.path = os.fspath(path)
         self.every = every
         self.pending_schedulers = {}
+        self._checked = False
 
     def on_start(self, state):
+        self._checked = False
+
+    def on_start_training(self, state):
+        if self._checked:  # once per run(), in training only: evaluate() and predict() never save
+            return
+        self._checked = True
         missing = comm.rank() == 0 and not os.path.isdir(os.path.dirname(os.path.abspath(self.path)))
         if comm.any_rank(missing):
             raise ValueError('the directory of the checkpoint path {!r} does not exist on rank 0; create it there '

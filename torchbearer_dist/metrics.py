@@ -6,6 +6,7 @@ that installs it, counts samples, drops a padding sampler's repeats and gathers 
 import torch
 import torch.distributed as dist
 import torchbearer
+from torch.utils.data import DistributedSampler
 from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
@@ -128,7 +129,7 @@ class ReduceMetrics(Callback):
         self._start_pass(state, False)
         self._remaining = None
         self._sampler = distributed_sampler(state.get(torchbearer.GENERATOR))
-        if isinstance(self._sampler, torch.utils.data.DistributedSampler) and not self._sampler.drop_last:
+        if isinstance(self._sampler, DistributedSampler) and not self._sampler.drop_last:
             total = len(self._sampler.dataset)
             self._remaining = len(range(self._sampler.rank, total, self._sampler.num_replicas))
 
@@ -146,7 +147,7 @@ class ReduceMetrics(Callback):
         self._pass.samples += n
 
     def on_end_validation(self, state):
-        if not (self._predicting and self.gather_predictions and self._sampler is not None):
+        if not (self._predicting and self.gather_predictions and isinstance(self._sampler, DistributedSampler)):
             return
         if comm.world_size() == 1:
             return
