@@ -39,9 +39,16 @@ def _median_error(y_pred, y_true):  # not a mean: must be computed on the gather
     return (y_pred.softmax(1).max(1).values - y_true.float() / 2).abs().median().item()
 
 
+def _class_error(y_pred, y_true):  # one value per sample
+    return (y_pred.argmax(1) - y_true).abs().float()
+
+
 def _metrics():
-    return ['loss', 'acc', RocAucScore(one_hot_classes=3), metrics.ToDict(EpochLambda('median', _median_error,
-                                                                                      running=False))]
+    errors = metrics.MetricTree(metrics.BatchLambda('error', _class_error))
+    errors.add_child(metrics.ToDict(metrics.Mean('error')))
+    errors.add_child(metrics.ToDict(metrics.Std('error_std')))
+    return ['loss', 'acc', errors, RocAucScore(one_hot_classes=3),
+            metrics.ToDict(EpochLambda('median', _median_error, running=False))]
 
 
 def _loader(dataset, batch, shuffle=False):
@@ -132,7 +139,8 @@ def _direct(x, y):
         logits = _model()(x)
     return {'loss': nn.functional.cross_entropy(logits, y).item(), 'acc': (logits.argmax(1) == y).float().mean().item(),
             'roc_auc_score': sklearn.metrics.roc_auc_score(torch.eye(3)[y].numpy(), logits.numpy()),
-            'median': _median_error(logits, y)}
+            'median': _median_error(logits, y), 'error': _class_error(logits, y).mean().item(),
+            'error_std': _class_error(logits, y).std().item()}
 
 
 @pytest.mark.slow
