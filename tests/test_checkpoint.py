@@ -282,10 +282,10 @@ def test_only_rank_0_touches_the_path(tmp_path):
 def test_stale_temporaries_are_judged_by_host_and_start_time(tmp_path):
     from torchbearer_dist import atomic
     path = str(tmp_path / 'run.pt')
-    host = __import__('socket').gethostname()
+    host = atomic._host()
     mine = atomic._temporary(path)
     dead = '{}.tmp.{}.{}.{}'.format(path, host, os.getpid(), 1)  # this pid, another start time: reused id
-    elsewhere = '{}.tmp.{}.{}.{}'.format(path, 'another-host', 1, 1)
+    elsewhere = '{}.tmp.{}.{}.{}'.format(path, atomic._host().rsplit('-', 1)[0] + '-otherboot', 1, 1)
     for name in (mine, dead, elsewhere):
         open(name, 'w').close()
     atomic.remove_stale_temporaries(path)

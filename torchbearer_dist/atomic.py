@@ -20,21 +20,31 @@ def _started(pid):
         return None
 
 
+def _host():
+    """This machine: its host name and boot id (containers may share a host name, never a kernel's boot id)."""
+    try:
+        with open('/proc/sys/kernel/random/boot_id') as f:
+            boot = f.read().strip().replace('-', '')[:12]
+    except OSError:
+        boot = 'noboot'
+    return '{}-{}'.format(socket.gethostname(), boot)
+
+
 def _temporary(path):
-    """``PATH.tmp.HOST.PID.START``: a name that says which process on which host writes it."""
-    return '{}.tmp.{}.{}.{}'.format(path, socket.gethostname(), os.getpid(), _started('self') or 0)
+    """``PATH.tmp.HOST-BOOT.PID.START``: a name that says which process on which machine writes it."""
+    return '{}.tmp.{}.{}.{}'.format(path, _host(), os.getpid(), _started('self') or 0)
 
 
 def remove_stale_temporaries(path):
     """Remove temporaries of ``path`` left by dead writers on this host.
 
     The directory may be shared by several hosts (NFS, Lustre), where a local process id says nothing
-    about a file written elsewhere: only temporaries named for this host are judged, and their writer
-    counts as dead only if no process has that id or the one that has it started at another time
-    (the id was reused). Temporaries of other hosts are left alone.
+    about a file written elsewhere: only temporaries named for this machine (host name and boot id) are
+    judged, and their writer counts as dead only if no process has that id or the one that has it
+    started at another time (the id was reused). Temporaries of other machines are left alone.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    prefix = '{}.tmp.{}.'.format(name, socket.gethostname())
+    prefix = '{}.tmp.{}.'.format(name, _host())
     for entry in os.listdir(directory):
         pid, _, started = entry[len(prefix):].partition('.')
         if not entry.startswith(prefix) or not pid.isdigit() or not started.isdigit():
