@@ -12,9 +12,11 @@ from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkp
 from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
 from torchbearer_dist.consistency import CheckReplicas, EvenBatches
+from torchbearer_dist.data import distributed_loader
 from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError
+from torchbearer_dist.gather import all_gather_rows, gather_predictions
 from torchbearer_dist.launcher import launch
 from torchbearer_dist.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.metrics import ReduceMetrics
@@ -37,3 +39,4 @@ __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckRep
            'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
 __all__ += ['current_env']
 __all__ += ['LR_FACTOR', 'ScaleLearningRate', 'SyncBatchNorm', 'convert_sync_batchnorm']
+__all__ += ['all_gather_rows', 'distributed_loader', 'gather_predictions']
