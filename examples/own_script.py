@@ -8,9 +8,8 @@ import argparse
 import os
 
 import torch
-import torchbearer
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from torchbearer import Callback, Trial
+from torch.utils.data import TensorDataset
+from torchbearer import Trial
 
 import torchbearer_dist as tbd
 
@@ -24,33 +23,6 @@ def threads_per_rank():
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
-def make_loader(dataset, shuffle):
-    """A loader that gives this rank its share of ``dataset``."""
-    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=0)
-    return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
-
-
-class WarmUp(Callback):
-    """Raise the learning rate from BASE_LR to world_size x BASE_LR.
-
-    Linearly over the first ``epochs`` epochs, step by step (Goyal et
-    al. 2017); it counts global epochs, so a resumed run goes on where
-    the warm-up was.
-    """
-
-    def __init__(self, world_size, epochs=2):
-        super().__init__()
-        self.world_size, self.epochs = world_size, epochs
-
-    def on_sample(self, state):
-        steps = state[torchbearer.TRAIN_STEPS]
-        done = state[torchbearer.EPOCH] * steps + state[torchbearer.BATCH]
-        progress = min(1.0, done / (self.epochs * steps))
-        scale = 1 + (self.world_size - 1) * progress
-        for group in state[torchbearer.OPTIMIZER].param_groups:
-            group['lr'] = BASE_LR * scale
-
-
 def train(epochs, checkpoint):
     """Build the Trial inside the process group, resume, and train."""
     torch.set_num_threads(threads_per_rank())
@@ -60,13 +32,16 @@ def train(epochs, checkpoint):
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
-    callbacks = [WarmUp(tbd.get_world_size()), tbd.Checkpoint(checkpoint),
+    callbacks = [tbd.ScaleLearningRate(warmup_epochs=2),
+                 tbd.Checkpoint(checkpoint),
                  *tbd.distributed_callbacks()]
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(),
                   metrics=['loss', 'acc'], callbacks=callbacks, verbose=0)
     if os.path.exists(checkpoint):
         tbd.load_checkpoint(checkpoint, trial=trial)  # on every rank
-    trial.with_generators(train_generator=make_loader(data, shuffle=True))
+    loader = tbd.distributed_loader(data, batch_size=BATCH_SIZE,
+                                    shuffle=True)
+    trial.with_generators(train_generator=loader)
     return trial.run(epochs=epochs)
 
 
