@@ -13,12 +13,13 @@ from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
 from torchbearer_dist.consistency import CheckReplicas, EvenBatches
 from torchbearer_dist.ddp import wrap_ddp
-from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
-from torchbearer_dist.faults import PeerFailedError
+from torchbearer_dist.diagnosis import PeerFailedError
+from torchbearer_dist.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, resolve
+from torchbearer_dist.group import destroy_process_group, init_process_group, process_group
+from torchbearer_dist.interrupts import unwatch_interrupts, watch_interrupts
 from torchbearer_dist.launcher import launch
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
-from torchbearer_dist.rendezvous import destroy_process_group, init_process_group, process_group
 
 __version__ = '0.1.0'
 
@@ -32,4 +33,5 @@ __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckRep
            'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly',
            'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group',
            'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
-           'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
+           'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__',
+           'DEFAULT_RENDEZVOUS_TIMEOUT', 'unwatch_interrupts', 'watch_interrupts']
