@@ -210,17 +210,18 @@ def diagnose(store, env, error):
     if not is_collective_error(error):
         return own_cause(env.rank, error), True
     timed_out = _is_timeout(error)
-    reachable = True if env.rank == 0 else peers.probe(env.host, env.port)
+    reachable = 'ok' if env.rank == 0 else peers.probe(env.host, env.port)
     if reachable == 'refused':
         return master_gone(env), False
-    try:
-        # After a timeout the peer was silent for that long: whatever it did since is no cause.
-        cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out)
-        if cause is not None:
-            return cause, cause.rank == env.rank and cause.kind == LOCAL
-    except Exception:  # the store stopped answering: it lives in rank 0
-        if env.rank != 0 and not timed_out:
-            return master_gone(env), False
+    if reachable == 'ok':  # a store call to a silent host could block past any timeout
+        try:
+            # After a timeout the peer was silent for that long: whatever it did since is no cause.
+            cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out)
+            if cause is not None:
+                return cause, cause.rank == env.rank and cause.kind == LOCAL
+        except Exception:  # the store stopped answering: it lives in rank 0
+            if env.rank != 0 and not timed_out:
+                return master_gone(env), False
     others = [r for r in range(env.world_size) if r != env.rank]
     who = others[0] if len(others) == 1 else 'a peer rank'
     if timed_out:

@@ -33,7 +33,6 @@ import socket
 import struct
 
 _AF_INET, _AF_INET6 = 2, 10
-_LISTEN = '0A'
 
 
 def _sockaddr(value, offset):
@@ -53,29 +52,35 @@ def _plain(ip):
     return ip[len('::ffff:'):] if ip.startswith('::ffff:') and '.' in ip else ip
 
 
-def _tcp_table():
-    """``{inode: (local (ip, port), remote (ip, port), state)}`` for this network namespace."""
-    rows = {}
-    for path, family in (('/proc/self/net/tcp', socket.AF_INET), ('/proc/self/net/tcp6', socket.AF_INET6)):
+def _sockets():
+    """``[(fd, inode, local (ip, port), remote (ip, port) or None, listening)]`` for this process's TCP sockets.
+
+    Asked of each socket itself (``getsockname``, ``getpeername``) rather than read from
+    ``/proc/net/tcp``, which can skip rows while other sockets come and go.
+    """
+    found = []
+    for inode, fd in sorted(_own_sockets().items(), key=lambda item: item[1]):
         try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            rows[fields[9]] = (_endpoint(fields[1], family), _endpoint(fields[2], family), fields[3])
-    return rows
-
-
-def _endpoint(text, family):
-    address, port = text.split(':')
-    raw = bytes.fromhex(address)
-    if family == socket.AF_INET:
-        ip = socket.inet_ntop(family, raw[::-1])
-    else:
-        ip = socket.inet_ntop(family, b''.join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-    return _plain(ip), int(port, 16)
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            local = _plain(sock.getsockname()[0]), sock.getsockname()[1]
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found.append((fd, int(inode), local, None, True))
+                continue
+            try:
+                remote = _plain(sock.getpeername()[0]), sock.getpeername()[1]
+            except OSError:  # not connected
+                continue
+            found.append((fd, int(inode), local, remote, False))
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return found
 
 
 def _own_sockets():
@@ -111,7 +116,7 @@ def endpoints(store, group_name, rank, world_size):
         values = [store.get('{}//cpu//0/{}'.format(group_name, other)) for other in range(world_size)]
     except Exception:
         return None
-    listening = set(local for local, _, state in _tcp_table().values() if state == _LISTEN)
+    listening = set(local for _, _, local, _, listens in _sockets() if listens)
     # The sockaddr sits after a short header (at byte 18 in torch 2.14); take the first offset at
     # which this rank's own value names a socket this process listens on, and read every rank there.
     for offset in range(0, 64, 2):
@@ -133,13 +138,9 @@ def connections(addresses, rank):
     """
     if not addresses:
         return []
-    table, peers = _tcp_table(), set(a for r, a in enumerate(addresses) if r != rank)
-    fds = []
-    for inode, fd in sorted(_own_sockets().items(), key=lambda item: item[1]):
-        local, remote, state = table.get(inode, (None, None, _LISTEN))
-        if state != _LISTEN and (local == addresses[rank] or remote in peers):
-            fds.append((fd, int(inode)))
-    return fds
+    peers = set(a for r, a in enumerate(addresses) if r != rank)
+    return [(fd, inode) for fd, inode, local, remote, listens in _sockets()
+            if not listens and (local == addresses[rank] or remote in peers)]
 
 
 def shut_down(addresses, rank):

@@ -77,7 +77,7 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         _create(env, store, environ)
         client = rendezvous.connect_client(env, environ)
         if client is not None:
-            client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds())))
+            client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
             _live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
     except BaseException:
         destroy_process_group()
@@ -112,7 +112,8 @@ def _on_watchdog(client, env, cause):
     """From the watchdog thread: publish what it found, then wake this rank's main thread."""
     if cause is not None:
         _live['cause'] = cause  # the main thread reports it even if the store is out of reach
-        diagnosis.publish(client, cause)
+        if cause.rank != 0:
+            diagnosis.publish(client, cause)
     interrupt_collectives(env)
 
 
@@ -209,7 +210,8 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
             raise
         _stop_watchdog()
         cause, own = (_live['cause'], False) if _live['cause'] is not None else diagnosis.diagnose(store, env, error)
-        diagnosis.publish(store, cause)
+        if env.rank == 0 or cause.rank != 0 or cause.kind == diagnosis.LOCAL:  # else the store is out of reach
+            diagnosis.publish(store, cause)
         _stop_peers(env)
         if env.rank == 0:
             diagnosis.wait_until_read(store, env.world_size)
