@@ -280,12 +280,12 @@ def run(args):
     environ = os.environ
     if args.rank is not None:  # one rank of a job, one process per machine
         with tbd.process_group(rank=args.rank, world_size=args.world_size, host=args.host, port=args.port,
-                               backend=args.backend, timeout=args.timeout, init_method=args.init_method,
-                               local_rank=0):
+                               backend=args.backend, timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout,
+                               init_method=args.init_method, local_rank=0):
             return worker(args)
     if 'RANK' in environ or 'SLURM_PROCID' in environ and 'SLURM_NTASKS' in environ:  # torchrun or srun
         with tbd.process_group(host=args.host, port=args.port, backend=args.backend, timeout=args.timeout,
-                               init_method=args.init_method):
+                               rendezvous_timeout=args.rendezvous_timeout, init_method=args.init_method):
             return worker(args)
     if args.init_method is not None:  # the one-command demo: every rank on this machine
         raise ValueError('--init-method {} needs --rank i (one process per command) or torchrun; the one-command '
@@ -301,7 +301,7 @@ def run(args):
         raise ValueError('world_size should be at most the {} GPUs of this machine under nccl, but given {}; '
                          'run one process per GPU'.format(torch.cuda.device_count(), world_size))
     return tbd.launch(worker, world_size, args=(args,), host=host, port=args.port, backend=args.backend,
-                      timeout=args.timeout)[0]
+                      timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout)[0]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -323,7 +323,9 @@ def build_parser():
                         help='file:///shared/path: meet through a file on a shared filesystem instead of --host')
     parser.add_argument('--backend', type=str, default='gloo', help='gloo (CPUs) or nccl (one process per GPU)')
     parser.add_argument('--timeout', type=float, default=None,
-                        help='seconds to wait for the other ranks and for each collective (default: 120)')
+                        help='seconds each collective may take (default: 1800, as torch)')
+    parser.add_argument('--rendezvous-timeout', type=float, default=None,
+                        help='seconds to wait for the other ranks, and for a silent peer (default: 60)')
     parser.add_argument('--epochs', type=int, default=5, help='passes over the training set')
     parser.add_argument('--batch-size', type=int, default=32, help='samples per step on each rank')
     parser.add_argument('--lr', type=float, default=0.05, help='learning rate of SGD with momentum 0.9')

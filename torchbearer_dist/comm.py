@@ -296,14 +296,6 @@ def check_replicas(module, buffers=True):
 def unwrap(model):
     """The module inside a DistributedDataParallel wrapper, or ``model`` itself.
 
-    Example: ::
-
-        >>> import torch
-        >>> from torchbearer_dist.comm import unwrap
-        >>> model = torch.nn.Linear(2, 1)
-        >>> unwrap(model) is model
-        True
-
     Args:
         model (torch.nn.Module): a model, wrapped or not
 
