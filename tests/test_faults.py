@@ -799,9 +799,11 @@ def test_failing_rank_that_still_holds_the_group_stops_its_peers_at_once():
 
 
 def _worker_gloo_connections():
+    import torch
     import torch.distributed as dist
 
     from torchbearer_dist import gloo_sockets, group
+    dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
