@@ -115,7 +115,8 @@ def default_threads(ranks_here):
 def run(args):
     """Start this job's part: every rank here, one rank, or the launcher's."""
     group = dict(host=args.host, port=args.port, backend=args.backend,
-                 timeout=args.timeout, init_method=args.init_method)
+                 timeout=args.timeout, init_method=args.init_method,
+                 rendezvous_timeout=args.rendezvous_timeout)
     if args.rank is not None:  # one rank of a job, one process per machine
         args.threads = args.threads or default_threads(1)
         with tbd.process_group(rank=args.rank, world_size=args.world_size,
@@ -146,7 +147,8 @@ def run(args):
     args.threads = args.threads or default_threads(world_size)
     return tbd.launch(worker, world_size, args=(args,), host=host,
                       port=args.port, backend=args.backend,
-                      timeout=args.timeout)[0]
+                      timeout=args.timeout,
+                      rendezvous_timeout=args.rendezvous_timeout)[0]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -165,7 +167,10 @@ def build_parser():
     add('--init-method', type=str, help='file:///shared/path: meet in a file')
     add('--backend', type=str, default='gloo', choices=('gloo', 'nccl'),
         help='gloo (CPUs) or nccl (one process per GPU)')
-    add('--timeout', type=float, help='seconds to wait for peers (def. 120)')
+    add('--timeout', type=float,
+        help='seconds a collective may take (default: 1800)')
+    add('--rendezvous-timeout', type=float,
+        help='seconds to meet, and for a silent peer (default: 60)')
     add('--epochs', type=int, default=5, help='passes over the training set')
     add('--batch-size', type=int, default=32, help='samples per step per rank')
     add('--lr', type=float, default=0.05, help='SGD step size, momentum 0.9')
@@ -202,6 +207,7 @@ def parse_args(argv=None):
 def main(argv=None):
     """Run; bad input exits 2 with one line on stderr, a failed peer 1."""
     args = parse_args(argv)
+    tbd.watch_interrupts()  # Ctrl-C stops a rank even inside a collective
     try:
         run(args)
     except (tbd.PeerFailedError, ValueError, RuntimeError) as error:

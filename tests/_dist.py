@@ -6,6 +6,7 @@ deadline kills every rank so a hang fails one test instead of stalling the suite
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,11 @@ import torchbearer_dist
 
 #: Collective and rendezvous timeout inside tests, seconds: short, so faults end fast.
 PG_TIMEOUT = 10
+#: Seconds the library's fault path may add after a fault is noticed: a peer waits up to 3 s for the
+#: published cause, rank 0 up to 3 s more until the others have read it (see diagnosis.py).
+CAUSE_WAIT = 6
+#: Seconds to start ranks that import torch, on a loaded 2-core machine.
+STARTUP = 30
 #: Hard bound on one multi-process test, seconds.
 DEADLINE = 60
 
@@ -104,3 +110,15 @@ def kill_session(pid):
 def python(*args):
     """A command line running this interpreter."""
     return [sys.executable, *args]
+
+
+def free_port(host='127.0.0.1'):
+    """A TCP port that is free on ``host`` right now (racy by nature: use it at once)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def snapshot(model):
+    """A detached copy of ``model``'s parameters and buffers, to compare later."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

@@ -2,6 +2,9 @@
 
 Each run picks its own namespace and link names and a private /24 that exists only inside the two
 namespaces, so parallel runs never collide and no traffic leaves them. Everything is deleted on exit.
+The name prefix and the /16 the /24 is drawn from come from ``TORCHBEARER_DIST_TEST_NETNS_PREFIX``
+(default ``tbd``) and ``TORCHBEARER_DIST_TEST_NETNS_SUBNET`` (default ``10.231``), so that several
+suites on one machine can keep apart.
 
 Example:
 
@@ -36,14 +39,21 @@ def unavailable():
 
 
 class TwoHosts:
-    """Two network namespaces ``tbd<id>h0`` and ``tbd<id>h1`` with addresses ``10.231.N.1`` and ``10.231.N.2``."""
+    """Two network namespaces ``<prefix><id>h0`` and ``<prefix><id>h1`` with addresses ``<subnet>.N.1`` and ``.2``.
 
-    def __init__(self):
+    Args:
+        prefix (str): namespace name prefix, at most 4 characters; by default from the environment
+        subnet (str): the first two octets, e.g. ``'10.231'``; by default from the environment
+    """
+
+    def __init__(self, prefix=None, subnet=None):
+        prefix = prefix or os.environ.get('TORCHBEARER_DIST_TEST_NETNS_PREFIX', 'tbd')
+        subnet = subnet or os.environ.get('TORCHBEARER_DIST_TEST_NETNS_SUBNET', '10.231')
         tag = '{:x}{:03x}'.format(os.getpid() % 0x10000, random.randrange(0x1000))
-        self.namespaces = ['tbd{}h{}'.format(tag, i) for i in range(2)]
-        self.links = ['tv{}l{}'.format(tag, i) for i in range(2)]  # at most 15 characters
-        subnet = random.randrange(256)
-        self.addresses = ['10.231.{}.{}'.format(subnet, i + 1) for i in range(2)]
+        self.namespaces = ['{}{}h{}'.format(prefix, tag, i) for i in range(2)]
+        self.links = ['{}{}l{}'.format(prefix[:4], tag, i) for i in range(2)]  # at most 15 characters
+        third = random.randrange(256)
+        self.addresses = ['{}.{}.{}'.format(subnet, third, i + 1) for i in range(2)]
         self._made = []
 
     def __enter__(self):

@@ -1,4 +1,5 @@
 import os
+import signal
 import time
 
 import pytest
@@ -43,11 +44,19 @@ def _children():
     return found
 
 
+def _signal_state():
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return signal.getsignal(signal.SIGINT), fd
+
+
 @pytest.fixture(autouse=True)
 def clean_process(monkeypatch):
-    """Restore os.environ, destroy any leftover process group, and fail if a child outlives the test."""
-    saved = dict(os.environ)
+    """Restore os.environ, destroy any leftover process group, and fail if a child outlives the test
+    or the test left SIGINT's handler or the wakeup fd changed."""
+    saved, signals = dict(os.environ), _signal_state()
     yield
+    assert _signal_state() == signals, 'SIGINT handling was left changed: {} -> {}'.format(signals, _signal_state())
     torchbearer_dist.destroy_process_group()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torchbearer_dist
 from torchbearer_dist import rendezvous
-from torchbearer_dist.env import DistEnv, resolve
+from torchbearer_dist.env import DistEnv, resolve, with_rendezvous_timeout
 
 from _dist import child_env, python, run_command
 
@@ -137,8 +137,28 @@ def test_init_methods():
     assert env.init_method == 'file:///shared/rendezvous'
 
 
-def test_default_timeout_is_finite():
-    assert timedelta(0) < torchbearer_dist.DEFAULT_TIMEOUT < timedelta(minutes=30)  # torch's gloo default is 30
+def test_two_timeouts_a_long_collective_one_and_a_short_rendezvous():
+    assert torchbearer_dist.DEFAULT_TIMEOUT == timedelta(minutes=30)  # torch's own default for gloo
+    assert torchbearer_dist.DEFAULT_RENDEZVOUS_TIMEOUT == timedelta(seconds=60)
+    env = with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', environ={}), environ={})
+    assert (env.timeout, env.rendezvous_timeout) == (timedelta(minutes=30), timedelta(seconds=60))
+    env = with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', timeout=7, environ={}), environ={})
+    assert env.rendezvous_timeout == timedelta(seconds=7)  # never longer than the collective timeout by default
+    env = with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', environ={}), 5, environ={})
+    assert env.rendezvous_timeout == timedelta(seconds=5)
+    environ = {'TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT': '2.5'}
+    assert with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', environ={}),
+                                   environ=environ).rendezvous_timeout == timedelta(seconds=2.5)
+    with pytest.raises(ValueError, match=r'^rendezvous_timeout should be positive, but given -1.0 s; pass e.g. '
+                                         r'rendezvous_timeout=60$'):
+        with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', environ={}), -1, environ={})
+    with pytest.raises(ValueError, match=r"^TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT should be a number of seconds, but "
+                                         r"given 'soon'; fix or unset it$"):
+        with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', environ={}),
+                                environ={'TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT': 'soon'})
+
+
+def test_default_timeout_can_be_set():
     assert resolve(rank=0, world_size=2, backend='gloo', environ={}).timeout == torchbearer_dist.DEFAULT_TIMEOUT
     assert resolve(rank=0, world_size=2, backend='gloo', environ={'TORCHBEARER_DIST_TIMEOUT': '7.5'}).timeout == \
         timedelta(seconds=7.5)
@@ -159,12 +179,16 @@ RANK_SCRIPT = textwrap.dedent('''
     import torch, torch.distributed as dist
     import torchbearer_dist
     rank, path = int(sys.argv[1]), sys.argv[2]
+    before = dict(os.environ)
     with torchbearer_dist.process_group(rank=rank, world_size=2, init_method='file://' + path, backend='gloo',
                                         timeout=20) as env:
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
-        print(json.dumps({'rank': env.rank, 'total': total.item(), 'ifname': os.environ.get('GLOO_SOCKET_IFNAME'),
-                          'timeout': env.timeout.total_seconds()}))
+        inside = os.environ.get('GLOO_SOCKET_IFNAME')
+        gloo = torchbearer_dist.group._live['gloo']
+    print(json.dumps({'rank': env.rank, 'total': total.item(), 'ifname': inside, 'gloo_on': sorted(set(
+        ip for ip, _ in gloo)), 'timeout': env.timeout.total_seconds(), 'leaked': sorted(
+        set(os.environ.items()) ^ set(before.items()))}))
 ''')
 
 
@@ -185,7 +209,9 @@ def test_two_ranks_meet_through_a_file(tmp_path):
     outputs = [(tmp_path / str(rank)).read_text() for rank in range(2)]
     assert result.returncode == 0, outputs
     reports = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
-    assert reports == [{'rank': rank, 'total': 3.0, 'ifname': 'lo', 'timeout': 20.0} for rank in range(2)]
+    # gloo was put on loopback (the route to the master) without GLOO_SOCKET_IFNAME being left behind
+    assert reports == [{'rank': rank, 'total': 3.0, 'ifname': None, 'gloo_on': ['127.0.0.1'], 'timeout': 20.0,
+                        'leaked': []} for rank in range(2)]
 
 
 # Launchers and the backend choice (issue 10).

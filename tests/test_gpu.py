@@ -23,8 +23,9 @@ def _worker_ddp_trial():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     trial = Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
                   callbacks=torchbearer_dist.distributed_callbacks(ddp=True), verbose=0).to(model.device)
+    initial = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     history = trial.with_train_generator(loader).run(2)
-    return {'backend': dist.get_backend(), 'device': str(model.device), 'history': history,
+    return {'backend': dist.get_backend(), 'device': str(model.device), 'history': history, 'initial': initial,
             'params': {k: v.detach().cpu() for k, v in model.module.state_dict().items()}}
 
 
@@ -32,7 +33,10 @@ def _worker_ddp_trial():
 def test_one_rank_nccl_ddp_trains_in_a_trial():
     (result,) = run_workers(_worker_ddp_trial, 1, backend='nccl', deadline=120)
     assert result['backend'] == 'nccl' and result['device'] == 'cuda:0'
-    assert len(result['history']) == 2 and result['history'][-1]['loss'] == result['history'][-1]['loss']
+    history = result['history']
+    assert len(history) == 2 and history[1]['loss'] < history[0]['loss'], history  # it trained: the loss fell
+    for name, value in result['params'].items():
+        assert not torch.equal(value, result['initial'][name]), '{} never changed'.format(name)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs 2 GPUs')

@@ -24,7 +24,7 @@ from torchbearer.callbacks.torch_scheduler import TorchScheduler
 from torchbearer_dist import comm
 from torchbearer_dist.atomic import remove_stale_temporaries as _remove_stale_temporaries
 from torchbearer_dist.atomic import write as _write
-from torchbearer_dist.ddp import unwrap
+from torchbearer_dist.comm import unwrap
 
 #: Marks a file written by :func:`save_checkpoint`, and its layout version.
 FORMAT = 'torchbearer_dist.checkpoint/1'

@@ -291,3 +291,16 @@ def check_replicas(module, buffers=True):
         first = differs.index(True)
         raise RuntimeError("replicas diverged: '{}' differs across ranks (first of {} differing tensors); "
                            "something updated the model on one rank only".format(entries[first][0], sum(differs)))
+
+
+def unwrap(model):
+    """The module inside a DistributedDataParallel wrapper, or ``model`` itself.
+
+    Args:
+        model (torch.nn.Module): a model, wrapped or not
+
+    Returns:
+        torch.nn.Module: the model whose ``state_dict`` has no ``module.`` prefix
+    """
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model

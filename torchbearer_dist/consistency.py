@@ -5,7 +5,7 @@ import torchbearer
 from torchbearer import Callback
 
 from torchbearer_dist import comm
-from torchbearer_dist.ddp import unwrap
+from torchbearer_dist.comm import unwrap
 
 
 class EvenBatches(Callback):

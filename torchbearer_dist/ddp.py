@@ -5,18 +5,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from torchbearer_dist import rendezvous
-
-
-def unwrap(model):
-    """The module inside a DistributedDataParallel wrapper, or ``model`` itself.
-
-    Args:
-        model (torch.nn.Module): a model, wrapped or not
-
-    Returns:
-        torch.nn.Module: the model whose ``state_dict`` has no ``module.`` prefix
-    """
-    return model.module if isinstance(model, DistributedDataParallel) else model
+from torchbearer_dist.comm import unwrap  # noqa: F401  (its home is comm; kept importable from here)
 
 
 def wrap_ddp(model, local_rank=None, **ddp_kwargs):

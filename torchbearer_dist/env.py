@@ -5,18 +5,22 @@ under a second with a one-line :class:`ValueError` instead of a network timeout 
 machine.
 """
 import os
-import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-#: Default for every network wait: rendezvous, handshake and each collective. torch's own default
-#: for gloo is 30 minutes; a dead peer should not cost a user that long. Override per call with
-#: ``timeout=`` or for a whole job with the ``TORCHBEARER_DIST_TIMEOUT`` environment variable
-#: (seconds).
-DEFAULT_TIMEOUT = timedelta(seconds=120)
+#: Default bound on each collective, torch's own default for gloo: rank-0-only work between
+#: collectives (a checkpoint to a slow filesystem, a slow first batch) may take that long. A dead or
+#: silent peer does not wait for it: the heartbeat ends the job within the rendezvous timeout.
+#: Override per call with ``timeout=`` or for a whole job with ``TORCHBEARER_DIST_TIMEOUT`` (seconds).
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+#: Default bound on meeting the other ranks (connecting to the store, the handshake) and on a
+#: peer's silence (no heartbeat). Override with ``rendezvous_timeout=`` or
+#: ``TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT`` (seconds); it never exceeds the collective timeout.
+DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
 DEFAULT_PORT = 29500
 BACKENDS = ('gloo', 'nccl', 'mpi')
@@ -33,10 +37,12 @@ class DistEnv:
         host (str): address of rank 0, where the rendezvous store listens
         port (int): port of the rendezvous store
         backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``
-        timeout (datetime.timedelta): bound for rendezvous and for every collective
+        timeout (datetime.timedelta): bound for every collective
         init_method (str or None): a ``file://`` URL when the job meets through a shared file
         source (str): where the values came from: ``'arguments'``, ``'torchrun'``, ``'openmpi'``, ``'pmi'``,
             ``'slurm'`` or ``'default'`` (no launcher: a job of one)
+        rendezvous_timeout (datetime.timedelta or None): bound for meeting the other ranks and for a
+            peer's silence; None until :func:`with_rendezvous_timeout` sets it (then ``timeout`` is used)
     """
     rank: int
     world_size: int
@@ -47,11 +53,17 @@ class DistEnv:
     timeout: timedelta
     init_method: str = None
     source: str = 'arguments'
+    rendezvous_timeout: timedelta = None
 
     @property
     def address(self):
         """str: ``host:port`` of the rendezvous store, as it appears in messages."""
         return '{}:{}'.format(self.host, self.port)
+
+    @property
+    def meet_timeout(self):
+        """datetime.timedelta: the rendezvous timeout, or ``timeout`` where none was set."""
+        return self.timeout if self.rendezvous_timeout is None else self.rendezvous_timeout
 
 
 def _env_int(name, environ):
@@ -107,25 +119,55 @@ def default_backend(device=None, cuda_available=None):
     return 'nccl' if cuda_available and torch.device(device).type == 'cuda' else 'gloo'
 
 
-def _timeout(timeout, environ):
+def _timeout(timeout, environ, name='timeout', variable='TORCHBEARER_DIST_TIMEOUT', default=DEFAULT_TIMEOUT):
     if timeout is None:
-        seconds = environ.get('TORCHBEARER_DIST_TIMEOUT')
+        seconds = environ.get(variable)
         if seconds is None:
-            return DEFAULT_TIMEOUT
+            return default
         try:
             timeout = float(seconds)
         except ValueError:
-            raise ValueError('TORCHBEARER_DIST_TIMEOUT should be a number of seconds, but given {!r}; '
-                             'fix or unset it'.format(seconds)) from None
+            raise ValueError('{} should be a number of seconds, but given {!r}; fix or unset it'.format(
+                variable, seconds)) from None
     if not isinstance(timeout, timedelta):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ValueError('timeout should be a number of seconds or a datetime.timedelta, but given {!r}'.format(
-                timeout))
+            raise ValueError('{} should be a number of seconds or a datetime.timedelta, but given {!r}'.format(
+                name, timeout))
         timeout = timedelta(seconds=timeout)
     if timeout.total_seconds() <= 0:
-        raise ValueError('timeout should be positive, but given {} s; pass e.g. timeout=60'.format(
-            timeout.total_seconds()))
+        raise ValueError('{} should be positive, but given {} s; pass e.g. {}=60'.format(
+            name, timeout.total_seconds(), name))
     return timeout
+
+
+def with_rendezvous_timeout(env, rendezvous_timeout=None, environ=None):
+    """``env`` with its rendezvous timeout set: short, for meeting the ranks and noticing a silent peer.
+
+    Example: ::
+
+        >>> from torchbearer_dist.env import resolve, with_rendezvous_timeout
+        >>> env = with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', timeout=600, environ={}),
+        ...                               environ={})
+        >>> env.rendezvous_timeout.total_seconds(), env.timeout.total_seconds()
+        (60.0, 600.0)
+
+    Args:
+        env (DistEnv): what :func:`resolve` returned
+        rendezvous_timeout (float or datetime.timedelta): seconds; by default
+            ``TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT`` or :data:`DEFAULT_RENDEZVOUS_TIMEOUT`, at most ``env.timeout``
+        environ (dict): the environment to read, ``os.environ`` by default
+
+    Returns:
+        DistEnv: a copy with ``rendezvous_timeout`` set
+
+    Raises:
+        ValueError: a value that is not a positive number of seconds
+    """
+    environ = os.environ if environ is None else environ
+    given = rendezvous_timeout is not None or 'TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT' in environ
+    value = _timeout(rendezvous_timeout, environ, 'rendezvous_timeout', 'TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT',
+                     DEFAULT_RENDEZVOUS_TIMEOUT)
+    return replace(env, rendezvous_timeout=value if given else min(value, env.timeout))
 
 
 def check_backend(backend):
@@ -265,56 +307,3 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     backend = check_backend(default_backend() if backend is None else backend)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, host=host, port=port,
                    backend=backend, timeout=_timeout(timeout, environ), init_method=init_method, source=source)
-
-
-def is_loopback(host):
-    """Whether ``host`` resolves to this machine's loopback interface.
-
-    Args:
-        host (str): an address or name
-
-    Returns:
-        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
-    """
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except socket.gaierror:
-        return False
-    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
-
-
-def route_interface(host, port=DEFAULT_PORT):
-    """Name the network interface this machine uses to reach ``host``.
-
-    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
-    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
-    asks the kernel for the route; no packet is sent.
-
-    Args:
-        host (str): address of rank 0
-        port (int): any port; only the route matters
-
-    Returns:
-        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
-    """
-    import fcntl
-    import struct
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
-        if family != socket.AF_INET:
-            return None
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            local_ip = probe.getsockname()[0]
-    except OSError:
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == local_ip:
-                return name
-    return None

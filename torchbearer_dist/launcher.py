@@ -1,7 +1,8 @@
 """Start N ranks on this machine and watch them: the first failure stops the rest and is re-raised.
 
 Children die with their parent (``PR_SET_PDEATHSIG``), so a killed launcher never leaves a rank
-behind holding the port, and Ctrl-C stops every rank within a few seconds.
+behind holding the port, and Ctrl-C stops every rank within a few seconds: the launcher owns its
+ranks' processes, so it turns on :func:`~torchbearer_dist.watch_interrupts` in each.
 """
 import ctypes
 import os
@@ -15,7 +16,7 @@ from multiprocessing import connection, get_context
 
 import torch
 
-from torchbearer_dist import faults, rendezvous
+from torchbearer_dist import diagnosis, group, interrupts
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,15 +52,16 @@ def die_with_parent(parent_pid):
         os._exit(1)
 
 
-def _child(fn, rank, world_size, host, port, backend, timeout, args, kwargs, conn, parent_pid):
+def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, conn, parent_pid):
     die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR=host, MASTER_PORT=str(port))
     if 'OMP_NUM_THREADS' not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    interrupts.watch_interrupts()  # the launcher owns its ranks: Ctrl-C handling is on
     try:
-        with rendezvous.process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
-                                      timeout=timeout):
+        with group.process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
+                                 timeout=timeout, rendezvous_timeout=rendezvous_timeout):
             result = fn(*args, **(kwargs or {}))
         _send(conn, ('ok', result))
     except BaseException as error:
@@ -67,7 +69,7 @@ def _child(fn, rank, world_size, host, port, backend, timeout, args, kwargs, con
             payload = error if _picklable(error) else None
         except Exception:
             payload = None
-        _send(conn, ('error', faults.describe(error), traceback.format_exc(), payload))
+        _send(conn, ('error', diagnosis.describe(error), traceback.format_exc(), payload))
         conn.close()
         sys.stderr.flush()
         os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
@@ -113,7 +115,7 @@ def _error_for(rank, report, exitcode):
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
         return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
     _, line, text, error = report
-    if error is None or isinstance(error, faults.PeerFailedError):
+    if error is None or isinstance(error, diagnosis.PeerFailedError):
         error = RuntimeError(line) if error is None else error
         if error.args and not str(error).startswith('rank '):
             error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
@@ -126,7 +128,7 @@ def _error_for(rank, report, exitcode):
 
 
 def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, backend=None, timeout=None,
-           deadline=None, grace=3.0):
+           deadline=None, grace=3.0, rendezvous_timeout=None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks, each inside an initialized process group.
 
     The port is picked in the parent. When a rank fails, the others are stopped and that rank's
@@ -152,9 +154,10 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         host (str): address the rendezvous store listens on
         port (int): port of the store; a free one by default
         backend (str): ``'gloo'`` (the default) or ``'nccl'``
-        timeout (float): seconds for rendezvous and each collective
+        timeout (float): seconds each collective may take; 30 minutes by default, as torch's
         deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
         grace (float): seconds ranks get to exit after SIGTERM before SIGKILL
+        rendezvous_timeout (float): seconds for the ranks to meet, and for a silent peer to end the job
 
     Returns:
         list: what ``fn`` returned on each rank, in rank order
@@ -172,7 +175,8 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         for rank in range(world_size):
             parent_end, child_end = context.Pipe(duplex=False)
             process = context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=(
-                fn, rank, world_size, host, port, backend, timeout, args, kwargs, child_end, os.getpid()))
+                fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, child_end,
+                os.getpid()))
             process.start()
             child_end.close()
             processes.append(process)
@@ -219,4 +223,4 @@ def _supervise(processes, pipes, deadline, grace):
 
 
 def _peer_failure(report):
-    return report is not None and report[0] == 'error' and report[1].startswith(faults.PeerFailedError.__name__)
+    return report is not None and report[0] == 'error' and report[1].startswith(diagnosis.PeerFailedError.__name__)

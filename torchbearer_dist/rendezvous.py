@@ -1,6 +1,7 @@
-"""Meeting the other processes: the rendezvous store, a handshake, and the process group's life.
+"""Meeting the other processes: the rendezvous store, a handshake, and the route to the master.
 
-The store is created here rather than by :func:`torch.distributed.init_process_group` so that:
+The process group's life (init, teardown) is in :mod:`torchbearer_dist.group`. The store is created
+here rather than by :func:`torch.distributed.init_process_group` so that:
 
 - rank 0 binds the socket itself, on the master address only (torch listens on every interface),
   and a taken port fails at once, naming the port;
@@ -10,20 +11,21 @@ The store is created here rather than by :func:`torch.distributed.init_process_g
   processes that disagree on the world size, and a stale job on the same port.
 """
 import errno
+import fcntl
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 
-from torchbearer_dist import faults
-from torchbearer_dist.env import is_loopback, resolve, route_interface
+from torchbearer_dist import peers
 
 _current = {'env': None, 'store': None, 'socket': None}
+#: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
+_SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
 
 
 def current_env():
@@ -36,8 +38,19 @@ def current_store():
     return _current['store']
 
 
+def set_current(env=None, store=None, sock=None):
+    """Record the live group's env and store (all None: none); closes the previous listening socket."""
+    if _current['socket'] is not None and _current['socket'] is not sock:
+        _current['socket'].close()
+    _current.update(env=env, store=store, socket=sock)
+
+
 def _port_holder(port):
-    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``."""
+    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``.
+
+    Scans at most ``_SCAN_PIDS`` processes for at most ``_SCAN_SECONDS``; the pid is read at once,
+    so it cannot have been reused in between.
+    """
     inodes = set()
     for table in ('/proc/net/tcp', '/proc/net/tcp6'):
         try:
@@ -51,7 +64,10 @@ def _port_holder(port):
                 inodes.add('socket:[{}]'.format(fields[9]))
     if not inodes:
         return ''
-    for pid in filter(str.isdigit, os.listdir('/proc')):
+    deadline = time.monotonic() + _SCAN_SECONDS
+    for count, pid in enumerate(filter(str.isdigit, os.listdir('/proc'))):
+        if count >= _SCAN_PIDS or time.monotonic() > deadline:
+            break
         try:
             fds = os.listdir('/proc/{}/fd'.format(pid))
         except OSError:
@@ -132,23 +148,40 @@ def _namespace(environ):
 
 
 def _make_store(env, environ):
+    """The job's store: in memory for one process, a file, the torchrun agent's, or our own TCPStore.
+
+    Returns:
+        tuple: ``(store, listening socket or None)``
+    """
     if env.world_size == 1:
         return dist.HashStore(), None
     if env.init_method is not None:
         path = env.init_method[len('file://'):]
         return dist.FileStore(path, env.world_size), None
     if environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
-        return _connect(env.host, env.port, env.timeout), None
+        return _connect(env.host, env.port, env.meet_timeout), None
     if env.rank == 0:
         sock = _bind_master(env.host, env.port)
         try:
-            store = dist.TCPStore(env.host, env.port, env.world_size, True, env.timeout,
+            store = dist.TCPStore(env.host, env.port, env.world_size, True, env.meet_timeout,
                                   wait_for_workers=False, master_listen_fd=sock.fileno())
         except Exception:
             sock.close()
             raise
         return store, sock
-    return _connect(env.host, env.port, env.timeout), None
+    return _connect(env.host, env.port, env.meet_timeout), None
+
+
+def connect_client(env, environ):
+    """One more connection to the job's store, namespaced like the first: the watchdog's own.
+
+    Returns:
+        torch.distributed.Store or None: None for a file or in-memory store
+    """
+    if env.world_size == 1 or env.init_method is not None:
+        return None
+    store = dist.TCPStore(env.host, env.port, None, False, env.meet_timeout, wait_for_workers=False)
+    return dist.PrefixStore(_namespace(environ), store)
 
 
 def _wait(store, keys, timeout, what):
@@ -159,8 +192,17 @@ def _wait(store, keys, timeout, what):
                            '--port'.format(what, timeout.total_seconds())) from None
 
 
-def _handshake(store, env):
-    """Claim this rank and check that every rank agrees on the world size."""
+def handshake(store, env):
+    """Claim this rank, publish where it runs, and check that every rank agrees on the world size.
+
+    Args:
+        store (torch.distributed.Store): the job's store
+        env (DistEnv): this process's place in the job
+
+    Raises:
+        RuntimeError: the rank is taken, or a rank did not join within the rendezvous timeout
+        ValueError: ranks disagree on the world size
+    """
     claim = '{} pid {} world_size {} {}'.format(socket.gethostname(), os.getpid(), env.world_size,
                                                   uuid.uuid4().hex[:8])
     held = store.compare_set('rank/{}'.format(env.rank), '', claim).decode()
@@ -168,12 +210,13 @@ def _handshake(store, env):
         raise RuntimeError('rank {} is already taken by another process ({}) at {}: give each process a distinct '
                            '--rank, or stop the stale job using that port'.format(
                                env.rank, held.rsplit(' ', 1)[0], env.address))
+    store.add('hb/{}'.format(env.rank), 1)  # the watchdog's heartbeat counter exists before anyone reads it
     store.set('world_size/{}'.format(env.rank), str(env.world_size))
-    store.set('addr/{}'.format(env.rank), '{} {}'.format(socket.gethostname(), os.getpid()))
+    store.set('addr/{}'.format(env.rank), peers.identity())
     for other in range(env.world_size):
         if other == env.rank:
             continue
-        _wait(store, ['world_size/{}'.format(other)], env.timeout,
+        _wait(store, ['world_size/{}'.format(other)], env.meet_timeout,
               'rank {} of {} did not join at {}'.format(other, env.world_size, env.address))
         theirs = int(store.get('world_size/{}'.format(other)))
         if theirs != env.world_size:
@@ -193,152 +236,63 @@ def _poll(store, key, seconds):
         time.sleep(0.05)
 
 
-def _set_gloo_interface(env, environ):
-    if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1:
-        return
-    name = 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)
-    if name is not None:
-        environ['GLOO_SOCKET_IFNAME'] = name
-
-
-def init_process_group(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
-                       init_method=None, local_rank=None):
-    """Join the job: check the arguments, meet the other ranks, and create the default process group.
-
-    Arguments are those of :func:`torchbearer_dist.env.resolve`; anything not given comes from
-    torchrun's or SLURM's environment. Every value is checked before the first network call.
-
-    Example: ::
-
-        >>> import torchbearer_dist as tbd
-        >>> env = tbd.init_process_group(rank=0, world_size=1)
-        >>> env.rank, env.world_size
-        (0, 1)
-        >>> tbd.destroy_process_group()
+def is_loopback(host):
+    """Whether ``host`` resolves to this machine's loopback interface.
 
     Args:
-        rank (int): global rank of this process
-        world_size (int): number of processes
-        host (str): address of the machine that runs rank 0
-        port (int): port of the rendezvous store
-        backend (str): ``'gloo'`` (the default) or ``'nccl'``
-        timeout (float or datetime.timedelta): bound in seconds for rendezvous and collectives
-        init_method (str): ``'file:///shared/path'`` to meet through a shared filesystem
-        local_rank (int): rank on this machine, selects the GPU
+        host (str): an address or name
 
     Returns:
-        DistEnv: this process's rank, world size, address and backend
-
-    Raises:
-        ValueError: a bad argument, or ranks that disagree on the world size
-        RuntimeError: a taken port, an unreachable master, a duplicate rank or a missing peer
-
-    .. warning:: A synchronization point: it returns once every rank has joined.
+        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
     """
-    environ = os.environ
-    env = resolve(rank=rank, world_size=world_size, host=host, port=port, backend=backend, timeout=timeout,
-                  init_method=init_method, local_rank=local_rank, environ=environ)
-    if dist.is_initialized():
-        raise RuntimeError('a torch.distributed process group is already initialized; call '
-                           'torchbearer_dist.destroy_process_group() before initializing another')
-    if env.backend == 'gloo':
-        _set_gloo_interface(env, environ)
-    if env.backend == 'nccl':
-        torch.cuda.set_device(env.local_rank)
-    store, sock = _make_store(env, environ)
-    store = dist.PrefixStore(_namespace(environ), store)
-    _current.update(env=env, store=store, socket=sock)
     try:
-        if env.world_size > 1:
-            store.set_timeout(env.timeout)
-            _handshake(store, env)
-            faults.remember_peers(store, env)
-        sockets = faults.open_sockets()
-        try:
-            dist.init_process_group(env.backend, store=dist.PrefixStore('pg', store), rank=env.rank,
-                                    world_size=env.world_size, timeout=env.timeout)
-        except RuntimeError as error:
-            if 'connectFullMesh' not in str(error):
-                raise
-            name = environ.get('GLOO_SOCKET_IFNAME')
-            where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
-            raise RuntimeError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
-                               'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
-                               'machines'.format(env.rank, where, faults.describe(error))) from None
-        if env.backend == 'gloo' and env.world_size > 1:
-            faults.note_group_sockets(sockets)
-    except BaseException:
-        _release()
-        raise
-    faults.watch_interrupts()
-    return env
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
 
 
-def _release():
-    faults.forget_group()
-    if _current['socket'] is not None:
-        _current['socket'].close()
-    _current.update(env=None, store=None, socket=None)
+def route_interface(host, port=29500):
+    """Name the network interface this machine uses to reach ``host``.
 
-
-def destroy_process_group():
-    """Tear down the default process group, if any; safe to call twice or after a failure.
-
-    Example: ::
-
-        >>> import torchbearer_dist as tbd
-        >>> tbd.destroy_process_group()  # nothing to do outside a process group
-    """
-    faults.unwatch_interrupts()
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a broken group is torn down as far as torch allows
-            pass
-    _release()
-
-
-@contextmanager
-def process_group(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
-                  init_method=None, local_rank=None):
-    """Run a block inside the job's process group, and always tear it down.
-
-    When the block raises, the error is published to the other ranks through the store and this
-    rank's gloo connections are closed, so that each of them stops within seconds with one line
-    naming this rank and its error. When a peer failed first, the block's own error (a broken
-    connection, a timeout) is replaced by :class:`~torchbearer_dist.PeerFailedError` naming the
-    root cause, e.g. ``rank 1 failed: ValueError: bad batch (rank 0 stopped)``; a peer that died
-    without a word, or stopped answering, is named too.
-
-    Example:
-
-        .. code-block:: python
-
-            with torchbearer_dist.process_group(rank=args.rank, world_size=2, host=args.host):
-                trial.run(epochs=5)
+    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
+    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
+    asks the kernel for the route; no packet is sent.
 
     Args:
-        rank, world_size, host, port, backend, timeout, init_method, local_rank: as for
-            :func:`init_process_group`
+        host (str): address of rank 0
+        port (int): any port; only the route matters
 
-    Yields:
-        DistEnv: this process's place in the job
-
-    Raises:
-        PeerFailedError: another rank failed first; the message names it and its error
+    Returns:
+        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
     """
-    env = init_process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
-                             timeout=timeout, init_method=init_method, local_rank=local_rank)
-    store = _current['store']
     try:
-        yield env
-    except BaseException as error:
-        cause = faults.diagnose(store, env, error)
-        faults.publish(store, env, error, cause=cause)
-        destroy_process_group()
-        if cause is not None:
-            raise faults.PeerFailedError('{} (rank {} stopped)'.format(cause, env.rank)) from error
-        raise
-    finally:
-        destroy_process_group()
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
+        if family != socket.AF_INET:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            local_ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == local_ip:
+                return name
+    return None
 
+
+def gloo_interface(env, environ):
+    """The interface gloo should use, when ``GLOO_SOCKET_IFNAME`` is unset and several ranks must meet.
+
+    Returns:
+        str or None: ``'lo'`` for a loopback master, the route's interface, or None to leave gloo's choice
+    """
+    if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1 or env.backend != 'gloo':
+        return None
+    return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)

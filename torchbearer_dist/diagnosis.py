@@ -1,0 +1,231 @@
+"""Why a rank stopped: a structured cause published through the store, and read back by the peers.
+
+gloo reports a dead peer as "Connection closed by peer" and a silent one as "Timed out waiting ...",
+never naming the rank or its error. Here the first rank to fail publishes a :class:`Cause` (its rank,
+the exception type and whether it was a ``local`` error, a ``peer`` that died or the ``network``)
+under one key of the job's store; every other rank reads it back, so the whole job ends naming one
+root cause. The kind is decided by what was caught, never by searching the message for words such as
+"timed out": a rank's own ``DataLoader timed out`` is a local error of that rank, not a dead host.
+"""
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from torchbearer_dist import peers
+
+LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
+_SHORT = timedelta(seconds=2)
+
+
+class PeerFailedError(RuntimeError):
+    """This rank stopped because another rank failed first; the message names that rank and its error.
+
+    Attributes:
+        rank (int or None): the rank that failed first
+        kind (str or None): ``'local'`` (its own error), ``'peer'`` (it died or left) or ``'network'``
+        exc_type (str or None): the name of its exception type, when it reported one
+    """
+
+    def __init__(self, message, rank=None, kind=None, exc_type=None):
+        super().__init__(message)
+        self.rank, self.kind, self.exc_type = rank, kind, exc_type
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.rank, self.kind, self.exc_type)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The root cause of a failed job, as one rank saw it.
+
+    Attributes:
+        rank (int): the rank that failed (or fell silent)
+        kind (str): ``'local'``, ``'peer'`` or ``'network'``
+        exc_type (str): the exception type's name, ``''`` when the rank could not say
+        message (str): one line
+    """
+    rank: int
+    kind: str
+    exc_type: str
+    message: str
+
+    def line(self):
+        """str: the sentence every rank reports, e.g. ``'rank 1 failed: ValueError: bad batch'``."""
+        if self.kind == LOCAL:
+            return 'rank {} failed: {}'.format(self.rank, '{}: {}'.format(self.exc_type, self.message)
+                                               if self.message else self.exc_type)
+        return self.message
+
+    def to_json(self):
+        """str: the cause as stored."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        """The cause stored by :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+
+def describe(error):
+    """One line for an exception: ``Type: first line of its message``.
+
+    Args:
+        error (BaseException): the exception
+
+    Returns:
+        str: e.g. ``'ValueError: bad batch'``
+    """
+    text = str(error).strip().splitlines()
+    return '{}: {}'.format(type(error).__name__, text[0]) if text else type(error).__name__
+
+
+def own_cause(rank, error):
+    """The :class:`Cause` for ``error`` raised by this rank's own code."""
+    text = str(error).strip().splitlines()
+    return Cause(rank, LOCAL, type(error).__name__, text[0] if text else '')
+
+
+def is_collective_error(error):
+    """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code.
+
+    torch raises :class:`torch.distributed.DistError` (and its subclasses) from the store and from
+    nccl; gloo raises a plain RuntimeError whose text starts with the location in gloo's sources.
+    """
+    if isinstance(error, PeerFailedError):
+        return False
+    if isinstance(error, getattr(dist, 'DistError', ())):
+        return True
+    lines = str(error).strip().splitlines()
+    return type(error) is RuntimeError and bool(lines) and 'gloo' in lines[0].lower()
+
+
+def _is_timeout(error):
+    if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
+        return True
+    return 'timed out' in str(error).lower()
+
+
+def publish(store, cause):
+    """Record ``cause`` in the store, unless another rank's cause is already there.
+
+    Args:
+        store (torch.distributed.Store): the job's store
+        cause (Cause): what ended the job
+    """
+    if store is None:
+        return
+    try:
+        store.set_timeout(_SHORT)
+        store.compare_set('error', '', cause.to_json())
+    except Exception:  # the store is gone with rank 0: nothing to tell
+        pass
+
+
+def wait_until_read(store, world_size, seconds=3.0):
+    """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
+    read the cause, so that they can report it before the store goes away with this process."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if store.add('error_seen', 0) >= world_size - 1 - len(peers.dead_local_ranks()):
+                return
+        except Exception:
+            return
+        time.sleep(0.05)
+
+
+def read_cause(store, wait=0.0, deaths=True):
+    """Poll the store for up to ``wait`` s: the published cause, or (with ``deaths``) one naming a peer
+    of this machine that died without publishing one.
+
+    Returns:
+        Cause or None: None when neither appears
+
+    Raises:
+        Exception: the store itself stopped answering
+    """
+    store.set_timeout(_SHORT)
+    deadline = time.monotonic() + wait
+    while True:
+        dead = peers.dead_local_ranks() if deaths else []
+        if store.check(['error']):
+            cause = Cause.from_json(store.get('error').decode())
+            store.add('error_seen', 1)
+            return cause
+        if dead:  # checked after the key: a rank publishes before it exits
+            return Cause(dead[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '
+                                            'killer, or a signal) or crashed in native code; see its log and '
+                                            'dmesg'.format(', '.join(map(str, dead))))
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def master_gone(env):
+    """The :class:`Cause` for a store that stopped answering: rank 0's process or host is gone."""
+    return Cause(0, PEER, '', 'rank 0 (the master at {}) is gone: its process died or its host became '
+                              'unreachable; see rank 0\'s log for its error'.format(env.address))
+
+
+def silent(env, who, seconds):
+    """The :class:`Cause` for a collective in which ``who`` (a rank, or words) sent nothing for ``seconds``."""
+    return Cause(who if isinstance(who, int) else -1, NETWORK, '', 'no answer from {} for {:g} s: its host is down, '
+                 'the network is partitioned, or it is stuck outside the training loop; check that host, or raise '
+                 'timeout= if a step can take that long'.format(
+                     'rank {}'.format(who) if isinstance(who, int) else who, seconds))
+
+
+def no_heartbeat(rank, seconds):
+    """The :class:`Cause` for a rank whose heartbeat stopped for ``seconds``: its process or host is gone."""
+    return Cause(rank, NETWORK, '', 'no heartbeat from rank {} for {:g} s: its host is down or the network is '
+                 'partitioned (a rank that is merely busy keeps beating); check that host and the network, or '
+                 'raise rendezvous_timeout='.format(rank, seconds))
+
+
+def master_silent(env, seconds):
+    """The :class:`Cause` for a store (rank 0's process) that stopped answering for ``seconds``."""
+    return Cause(0, NETWORK, '', 'no answer from rank 0 (the master at {}) for {:g} s: its host is down or the '
+                 'network is partitioned; check that host and the network, or raise rendezvous_timeout='.format(
+                     env.address, seconds))
+
+
+def diagnose(store, env, error):
+    """Explain what ``error`` means for the job: this rank's own failure, or another rank's.
+
+    A collective error is explained by the cause another rank published (waited for at most 3 s),
+    by a peer of this machine that died, or, failing both, by what gloo said (a closed connection:
+    a peer left; a timeout: a peer fell silent). Anything else is this rank's own error.
+
+    Args:
+        store (torch.distributed.Store): the job's store
+        env (DistEnv): this process's place in the job
+        error (BaseException): what this rank caught
+
+    Returns:
+        tuple: ``(cause, own)``: the :class:`Cause` to report, and whether it is this rank's own
+    """
+    if not is_collective_error(error):
+        return own_cause(env.rank, error), True
+    timed_out = _is_timeout(error)
+    reachable = 'ok' if env.rank == 0 else peers.probe(env.host, env.port)
+    if reachable == 'refused':
+        return master_gone(env), False
+    if reachable == 'ok':  # a store call to a silent host could block past any timeout
+        try:
+            # After a timeout the peer was silent for that long: whatever it did since is no cause.
+            cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out)
+            if cause is not None:
+                return cause, cause.rank == env.rank and cause.kind == LOCAL
+        except Exception:  # the store stopped answering: it lives in rank 0
+            if env.rank != 0 and not timed_out:
+                return master_gone(env), False
+    others = [r for r in range(env.world_size) if r != env.rank]
+    who = others[0] if len(others) == 1 else 'a peer rank'
+    if timed_out:
+        return silent(env, who, env.timeout.total_seconds()), False
+    return Cause(who if isinstance(who, int) else -1, PEER, '', '{} closed its connection without reporting an '
+                 'error: it exited or was killed; see its log'.format(
+                     'rank {}'.format(who) if isinstance(who, int) else who)), False

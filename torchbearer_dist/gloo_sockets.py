@@ -1,0 +1,171 @@
+"""The fallback that wakes ranks blocked in a gloo collective: shut down gloo's own connections.
+
+No public torch call does this job for gloo. Measured with torch 2.14.1 on loopback
+(``python benchmarks/peer_wakeup.py``; 2 ranks, process-group timeout 8 s; rank 0 blocked in an
+all_reduce that rank 1 never joins; seconds from rank 1's call until rank 0 raised):
+
+======================================  ===========================  ===========================
+call on rank 1                          nothing else holds the group  rank 1 holds a Work object
+======================================  ===========================  ===========================
+``ProcessGroup.abort()``                7.0 (the timeout)            7.0 (the timeout)
+``ProcessGroup.shutdown()``             7.0 (the timeout)            7.0 (the timeout)
+``destroy_process_group()``             0.010                        7.0 (the timeout)
+``abort()`` + ``destroy_process_group``  --                          7.0 (the timeout)
+these sockets shut down (this module)   --                           see the fault table
+======================================  ===========================  ===========================
+
+From a helper thread of the *blocked* rank itself (``--local 1``), ``abort()`` and ``shutdown()``
+did not wake its own main thread either (7.0 s, the timeout). So :func:`destroy_process_group` is
+used first, and this module only where something still holds the group (a pending gradient
+all-reduce referenced from a traceback), and to wake this rank's own main thread when the watchdog
+finds a peer silent.
+
+gloo's sockets are identified positively, not by when they were opened: gloo publishes each rank's
+listening address in the store (``<group>//cpu//0/<rank>``, a ``sockaddr`` after a short header); a socket of
+this process belongs to gloo exactly when its local address is this rank's published address (an
+accepted connection) or its remote address is another rank's (a connection this rank made). The
+store, and anything else the process has open (wandb, TensorBoard), never matches. The published
+address is checked against this process's own listening socket; on any mismatch, or off Linux,
+this module does nothing. These key names and layout are private to c10d and gloo, hence one module.
+"""
+import os
+import socket
+import struct
+
+_AF_INET, _AF_INET6 = 2, 10
+
+
+def _sockaddr(value, offset):
+    """``(ip, port)`` of the ``sockaddr`` at ``offset`` of gloo's serialized address, or None."""
+    if len(value) < offset + 24:
+        return None
+    family = struct.unpack_from('<H', value, offset)[0]
+    port = struct.unpack_from('>H', value, offset + 2)[0]
+    if family == _AF_INET:
+        return socket.inet_ntop(socket.AF_INET, value[offset + 4:offset + 8]), port
+    if family == _AF_INET6:
+        return _plain(socket.inet_ntop(socket.AF_INET6, value[offset + 8:offset + 24])), port
+    return None
+
+
+def _plain(ip):
+    return ip[len('::ffff:'):] if ip.startswith('::ffff:') and '.' in ip else ip
+
+
+def _sockets():
+    """``[(fd, inode, local (ip, port), remote (ip, port) or None, listening)]`` for this process's TCP sockets.
+
+    Asked of each socket itself (``getsockname``, ``getpeername``) rather than read from
+    ``/proc/net/tcp``, which can skip rows while other sockets come and go.
+    """
+    found = []
+    for inode, fd in sorted(_own_sockets().items(), key=lambda item: item[1]):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            local = _plain(sock.getsockname()[0]), sock.getsockname()[1]
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found.append((fd, int(inode), local, None, True))
+                continue
+            try:
+                remote = _plain(sock.getpeername()[0]), sock.getpeername()[1]
+            except OSError:  # not connected
+                continue
+            found.append((fd, int(inode), local, remote, False))
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return found
+
+
+def _own_sockets():
+    """``{inode: fd}`` for the sockets this process has open."""
+    found = {}
+    try:
+        fds = os.listdir('/proc/self/fd')
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink('/proc/self/fd/{}'.format(fd))
+        except OSError:
+            continue
+        if target.startswith('socket:['):
+            found[target[len('socket:['):-1]] = int(fd)
+    return found
+
+
+def endpoints(store, group_name, rank, world_size):
+    """Every rank's gloo listening address, read from the store right after the group was made.
+
+    Args:
+        store (torch.distributed.Store): the store the process group was given
+        group_name (str): the group's name (``'0'`` for the default group)
+        rank (int): this rank
+        world_size (int): ranks in the group
+
+    Returns:
+        list or None: ``(ip, port)`` per rank, or None when they cannot be read or do not check out
+    """
+    try:
+        values = [store.get('{}//cpu//0/{}'.format(group_name, other)) for other in range(world_size)]
+    except Exception:
+        return None
+    listening = set(local for _, _, local, _, listens in _sockets() if listens)
+    # The sockaddr sits after a short header (at byte 18 in torch 2.14); take the first offset at
+    # which this rank's own value names a socket this process listens on, and read every rank there.
+    for offset in range(0, 64, 2):
+        if _sockaddr(values[rank], offset) in listening:
+            found = [_sockaddr(value, offset) for value in values]
+            return None if None in found else found
+    return None
+
+
+def connections(addresses, rank):
+    """File descriptors of this process's gloo connections (never its listening socket).
+
+    Args:
+        addresses (list): what :func:`endpoints` returned
+        rank (int): this rank
+
+    Returns:
+        list: ``(file descriptor, socket inode)`` pairs
+    """
+    if not addresses:
+        return []
+    peers = set(a for r, a in enumerate(addresses) if r != rank)
+    return [(fd, inode) for fd, inode, local, remote, listens in _sockets()
+            if not listens and (local == addresses[rank] or remote in peers)]
+
+
+def shut_down(addresses, rank):
+    """Shut down this process's gloo connections, so that every collective on them fails now.
+
+    Args:
+        addresses (list): what :func:`endpoints` returned
+        rank (int): this rank
+
+    Returns:
+        int: how many connections were shut down
+    """
+    count = 0
+    for fd, inode in connections(addresses, rank):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if os.fstat(sock.fileno()).st_ino != inode:  # closed and reused since it was listed
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return count

@@ -1,0 +1,224 @@
+"""The process group's life: create it, run a block inside it, end a failure cleanly, tear it down.
+
+Nothing here touches signal handlers or the wakeup fd (Ctrl-C handling is opt-in, in
+:mod:`torchbearer_dist.interrupts`), and ``os.environ`` is left as it was found: the interface
+chosen for gloo is set only while the group is created.
+"""
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchbearer_dist import diagnosis, gloo_sockets, peers, rendezvous
+from torchbearer_dist.env import resolve, with_rendezvous_timeout
+from torchbearer_dist.watchdog import Watchdog
+
+_live = {'watchdog': None, 'gloo': None, 'cause': None}
+
+
+def init_process_group(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
+                       init_method=None, local_rank=None, rendezvous_timeout=None):
+    """Join the job: check the arguments, meet the other ranks, and create the default process group.
+
+    Arguments are those of :func:`torchbearer_dist.env.resolve`; anything not given comes from
+    torchrun's or SLURM's environment. Every value is checked before the first network call. A
+    helper thread then beats a heartbeat through the store, so that a dead or silent peer ends the
+    job within ``rendezvous_timeout`` whatever the collective ``timeout``.
+
+    Example: ::
+
+        >>> import torchbearer_dist as tbd
+        >>> env = tbd.init_process_group(rank=0, world_size=1)
+        >>> env.rank, env.world_size
+        (0, 1)
+        >>> tbd.destroy_process_group()
+
+    Args:
+        rank (int): global rank of this process
+        world_size (int): number of processes
+        host (str): address of the machine that runs rank 0
+        port (int): port of the rendezvous store
+        backend (str): ``'gloo'`` (the default) or ``'nccl'``
+        timeout (float or datetime.timedelta): bound in seconds on each collective; by default
+            :data:`~torchbearer_dist.DEFAULT_TIMEOUT` (30 minutes, as torch's)
+        init_method (str): ``'file:///shared/path'`` to meet through a shared filesystem
+        local_rank (int): rank on this machine, selects the GPU
+        rendezvous_timeout (float or datetime.timedelta): bound in seconds on meeting the other
+            ranks and on a peer's silence; by default 60, and never more than ``timeout``
+
+    Returns:
+        DistEnv: this process's rank, world size, address and backend
+
+    Raises:
+        ValueError: a bad argument, or ranks that disagree on the world size
+        RuntimeError: a taken port, an unreachable master, a duplicate rank or a missing peer
+
+    .. warning:: A synchronization point: it returns once every rank has joined.
+    """
+    environ = os.environ
+    env = resolve(rank=rank, world_size=world_size, host=host, port=port, backend=backend, timeout=timeout,
+                  init_method=init_method, local_rank=local_rank, environ=environ)
+    env = with_rendezvous_timeout(env, rendezvous_timeout, environ)
+    if dist.is_initialized():
+        raise RuntimeError('a torch.distributed process group is already initialized; call '
+                           'torchbearer_dist.destroy_process_group() before initializing another')
+    if env.backend == 'nccl':
+        torch.cuda.set_device(env.local_rank)
+    store, sock = rendezvous._make_store(env, environ)
+    store = dist.PrefixStore(rendezvous._namespace(environ), store)
+    rendezvous.set_current(env, store, sock)
+    try:
+        if env.world_size > 1:
+            store.set_timeout(env.meet_timeout)
+            rendezvous.handshake(store, env)
+            peers.remember(store, env.rank, env.world_size)
+        _create(env, store, environ)
+        client = rendezvous.connect_client(env, environ)
+        if client is not None:
+            client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
+            _live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
+    except BaseException:
+        destroy_process_group()
+        raise
+    return env
+
+
+def _create(env, store, environ):
+    interface = rendezvous.gloo_interface(env, environ)
+    if interface is not None:  # read by gloo while it makes its device, then given back
+        environ['GLOO_SOCKET_IFNAME'] = interface
+    group_store = dist.PrefixStore('pg', store)
+    try:
+        dist.init_process_group(env.backend, store=group_store, rank=env.rank, world_size=env.world_size,
+                                timeout=env.timeout)
+    except RuntimeError as error:
+        if 'connectFullMesh' not in str(error):
+            raise
+        name = interface or environ.get('GLOO_SOCKET_IFNAME')
+        where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
+        raise RuntimeError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
+                           'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
+                           'machines'.format(env.rank, where, diagnosis.describe(error))) from None
+    finally:
+        if interface is not None:
+            environ.pop('GLOO_SOCKET_IFNAME', None)
+    if env.backend == 'gloo' and env.world_size > 1:
+        _live['gloo'] = gloo_sockets.endpoints(group_store, dist.group.WORLD.group_name, env.rank, env.world_size)
+
+
+def _on_watchdog(client, env, cause):
+    """From the watchdog thread: publish what it found, then wake this rank's main thread."""
+    if cause is not None:
+        _live['cause'] = cause  # the main thread reports it even if the store is out of reach
+        if cause.rank != 0:
+            diagnosis.publish(client, cause)
+    interrupt_collectives(env)
+
+
+def interrupt_collectives(env):
+    """Make this rank's pending and future collectives fail now, so that its main thread unwinds."""
+    if env.backend == 'gloo':
+        gloo_sockets.shut_down(_live['gloo'], env.rank)
+    elif dist.is_initialized():
+        try:
+            dist.group.WORLD.abort()  # nccl: aborts the communicators, as its own watchdog does
+        except Exception:
+            pass
+
+
+def _stop_peers(env):
+    """Make the peers' collectives fail now: destroy the group, and shut down what something still holds.
+
+    ``destroy_process_group`` closes gloo's connections only when nothing else holds the group; a
+    pending gradient all-reduce referenced from a traceback keeps them open (measured: see
+    :mod:`torchbearer_dist.gloo_sockets`).
+    """
+    held = gloo_sockets.connections(_live['gloo'], env.rank) if env.backend == 'gloo' else []
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group is torn down as far as torch allows
+            pass
+    if held and gloo_sockets.connections(_live['gloo'], env.rank):
+        gloo_sockets.shut_down(_live['gloo'], env.rank)
+
+
+def _stop_watchdog():
+    watchdog, _live['watchdog'] = _live['watchdog'], None
+    if watchdog is not None:
+        watchdog.stop()
+
+
+def destroy_process_group():
+    """Tear down the default process group, if any; safe to call twice or after a failure.
+
+    Example: ::
+
+        >>> import torchbearer_dist as tbd
+        >>> tbd.destroy_process_group()  # nothing to do outside a process group
+    """
+    _stop_watchdog()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group is torn down as far as torch allows
+            pass
+    _live.update(gloo=None, cause=None)
+    peers.forget()
+    rendezvous.set_current()
+
+
+@contextmanager
+def process_group(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
+                  init_method=None, local_rank=None, rendezvous_timeout=None):
+    """Run a block inside the job's process group, and always tear it down.
+
+    When the block raises, its cause is published to the other ranks through the store (this rank,
+    the exception type, and whether it was this rank's own error, a dead peer or the network), and
+    the group is torn down so that the others stop within seconds with one line naming this rank
+    and its error. When a peer failed first, the block's own error (a broken connection, a timeout)
+    is replaced by :class:`~torchbearer_dist.PeerFailedError` naming the root cause, e.g.
+    ``rank 1 failed: ValueError: bad batch (rank 0 stopped)``.
+
+    Example:
+
+        .. code-block:: python
+
+            with torchbearer_dist.process_group(rank=args.rank, world_size=2, host=args.host):
+                trial.run(epochs=5)
+
+    Args:
+        rank, world_size, host, port, backend, timeout, init_method, local_rank, rendezvous_timeout: as
+            for :func:`init_process_group`
+
+    Yields:
+        DistEnv: this process's place in the job
+
+    Raises:
+        PeerFailedError: another rank failed first; the message names it and its error
+    """
+    env = init_process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
+                             timeout=timeout, init_method=init_method, local_rank=local_rank,
+                             rendezvous_timeout=rendezvous_timeout)
+    store = rendezvous.current_store()
+    try:
+        yield env
+    except BaseException as error:
+        if env.world_size == 1:
+            raise
+        _stop_watchdog()
+        cause, own = (_live['cause'], False) if _live['cause'] is not None else diagnosis.diagnose(store, env, error)
+        if env.rank == 0 or cause.rank != 0 or cause.kind == diagnosis.LOCAL:  # else the store is out of reach
+            diagnosis.publish(store, cause)
+        _stop_peers(env)
+        if env.rank == 0:
+            diagnosis.wait_until_read(store, env.world_size)
+        destroy_process_group()
+        if not own:
+            raise diagnosis.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
+                                            cause.kind, cause.exc_type or None) from error
+        raise
+    finally:
+        destroy_process_group()

@@ -1,0 +1,98 @@
+"""Where the other ranks run, and whether a peer of this machine has died.
+
+Each rank publishes an identity at the handshake: host name, boot id, pid namespace, pid and the
+process's start time. A peer counts as "of this machine" only when the boot id and the pid
+namespace match ours, so that its pid means the same process here; it counts as dead when that pid
+is gone, is a zombie, or now belongs to a process that started at another time (the pid was
+reused). Each check reads one ``/proc/<pid>/stat`` per local peer: bounded by the world size.
+"""
+import os
+import socket
+
+_peers = {}
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ''
+
+
+def _start_time(pid):
+    """``(state, start time in clock ticks)`` of ``pid``, or None when there is no such process."""
+    text = _read('/proc/{}/stat'.format(pid))
+    if not text:
+        return None
+    fields = text.rsplit(')', 1)[1].split()
+    return fields[0], fields[19]
+
+
+def _namespace():
+    try:
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
+        return ''
+
+
+def identity():
+    """This process's identity as published to the peers: ``host boot pidns pid start``.
+
+    Returns:
+        str: five space-free fields
+    """
+    state = _start_time(os.getpid())
+    return ' '.join([socket.gethostname() or '-', _read('/proc/sys/kernel/random/boot_id') or '-',
+                     _namespace().replace(' ', '') or '-', str(os.getpid()), state[1] if state else '-'])
+
+
+def remember(store, rank, world_size):
+    """Note every other rank's identity, read once from the store after the handshake.
+
+    Args:
+        store (torch.distributed.Store): the job's store
+        rank (int): this rank
+        world_size (int): ranks in the job
+    """
+    _peers.clear()
+    mine = identity().split()
+    for other in range(world_size):
+        if other == rank:
+            continue
+        try:
+            host, boot, namespace, pid, start = store.get('addr/{}'.format(other)).decode().split()
+        except Exception:  # not essential: a death is then reported with less detail
+            continue
+        if boot != '-' and (boot, namespace) == (mine[1], mine[2]):
+            _peers[other] = (int(pid), start)
+
+
+def forget():
+    """Drop what :func:`remember` noted, when the group is torn down."""
+    _peers.clear()
+
+
+def dead_local_ranks():
+    """Ranks of this machine whose process is gone (or a zombie); pid reuse is told by start time.
+
+    Returns:
+        list: rank numbers, ascending
+    """
+    dead = []
+    for other, (pid, start) in sorted(_peers.items()):
+        now = _start_time(pid)
+        if now is None or now[0] in ('Z', 'X') or now[1] != start:
+            dead.append(other)
+    return dead
+
+
+def probe(host, port):
+    """``'ok'``, ``'refused'`` or ``'silent'``: whether the master's store still accepts connections."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return 'ok'
+    except ConnectionRefusedError:
+        return 'refused'
+    except OSError:
+        return 'silent'

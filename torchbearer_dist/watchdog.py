@@ -1,0 +1,88 @@
+"""Notice a dead or silent peer in seconds, whatever the collective timeout.
+
+A helper thread of each rank beats a counter in the job's store every second, over its own store
+connection. Rank 0 watches every rank's counter, the others watch rank 0's and the store itself. A
+counter that stops for the rendezvous timeout, or a store that stops answering, ends the job with a
+``network`` (or ``peer``) cause; a cause published by any rank ends it too. Ending means: publish
+the cause, then wake this rank's main thread from the collective it is blocked in (a callback given
+by :mod:`torchbearer_dist.group`). The collective timeout can therefore be long, as torch's is: a
+rank busy for minutes between collectives (rank-0-only work) keeps beating and is never mistaken
+for a dead one.
+"""
+import threading
+import time
+
+from torchbearer_dist import diagnosis
+
+_INTERVAL = 1.0
+
+
+class Watchdog:
+    """The heartbeat of one rank, and its watch over the others.
+
+    Two daemon threads: one makes the store calls (a call to a silent host can block past any
+    timeout), the other judges how long ago they last succeeded, so a blocked call is noticed too.
+
+    Args:
+        env (DistEnv): this process's place in the job
+        store (torch.distributed.Store): a connection to the job's store for these threads alone
+        on_failure (callable): called once, from a thread, with the :class:`~diagnosis.Cause` (None
+            when another rank's cause is already in the store)
+        interval (float): seconds between beats
+    """
+
+    def __init__(self, env, store, on_failure, interval=_INTERVAL):
+        self.env, self.store, self.on_failure, self.interval = env, store, on_failure, interval
+        self.limit = env.meet_timeout.total_seconds()
+        watched = list(range(env.world_size)) if env.rank == 0 else [0]
+        self.watched = [r for r in watched if r != env.rank]
+        self._seen = (time.monotonic(), False, None)  # last success: when, error published, heartbeat values
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._beat, name='torchbearer_dist-heartbeat', daemon=True),
+                         threading.Thread(target=self._watch, name='torchbearer_dist-watchdog', daemon=True)]
+
+    def start(self):
+        """Start beating and watching."""
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self):
+        """Stop both threads; wait briefly (a store call blocked on a silent host is left behind)."""
+        self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(0.5)
+
+    def _beat(self):
+        store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
+        while not self._stop.wait(self.interval):
+            try:
+                store.add('hb/{}'.format(self.env.rank), 1)
+                error = store.check(['error'])
+                values = store.multi_get(keys) if keys else []
+            except Exception:
+                continue
+            self._seen = (time.monotonic(), error, values)
+
+    def _watch(self):
+        last, changed, sample = {}, {}, None
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            reached, error, values = self._seen
+            if error:
+                return self._fail(None)
+            if self.env.rank != 0 and now - reached > self.limit:
+                return self._fail(diagnosis.master_silent(self.env, self.limit))
+            if values is None or reached == sample:
+                continue
+            sample = reached
+            for rank, value in zip(self.watched, values):
+                if last.get(rank) != value:
+                    last[rank], changed[rank] = value, reached
+                elif reached - changed[rank] > self.limit:
+                    return self._fail(diagnosis.no_heartbeat(rank, self.limit))
+
+    def _fail(self, cause):
+        if not self._stop.is_set():
+            self.on_failure(cause)
