@@ -115,19 +115,19 @@ def default_threads(ranks_here):
 def run(args):
     """Start this job's part: every rank here, one rank, or the launcher's."""
     group = dict(host=args.host, port=args.port, backend=args.backend,
-                 timeout=args.timeout, init_method=args.init_method,
-                 rendezvous_timeout=args.rendezvous_timeout)
+                 timeout=args.timeout, init_method=args.init_method)
+    meet = args.rendezvous_timeout
     if args.rank is not None:  # one rank of a job, one process per machine
         args.threads = args.threads or default_threads(1)
         with tbd.process_group(rank=args.rank, world_size=args.world_size,
-                               local_rank=0, **group):
+                               local_rank=0, rendezvous_timeout=meet, **group):
             return worker(args)
     env = tbd.resolve(**group)
     if env.source != 'default':  # torchrun, srun or mpirun started this rank
         here = next((int(os.environ[name]) for name in LOCAL_SIZES
                      if os.environ.get(name, '').isdigit()), env.world_size)
         args.threads = args.threads or default_threads(here)
-        with tbd.process_group(**group):
+        with tbd.process_group(rendezvous_timeout=meet, **group):
             return worker(args)
     if args.init_method is not None:
         raise ValueError('--init-method {} needs --rank i or a launcher; the '
@@ -148,7 +148,7 @@ def run(args):
     return tbd.launch(worker, world_size, args=(args,), host=host,
                       port=args.port, backend=args.backend,
                       timeout=args.timeout,
-                      rendezvous_timeout=args.rendezvous_timeout)[0]
+                      rendezvous_timeout=meet)[0]
 
 
 class _Parser(argparse.ArgumentParser):
