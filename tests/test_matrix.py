@@ -145,6 +145,9 @@ ROWS = {
     'ReduceLROnPlateau (torchbearer)': dict(user=lambda m: [ReduceLROnPlateau(monitor='val_loss')],
                                             error=(TypeError, r"unexpected keyword argument 'verbose'"),
                                             reference_raises=True),
+    'closure past the model output': dict(closure=True, error=(
+        RuntimeError, r"gradients were computed without passing through the output of state\[MODEL\], so they were "
+                      r"not averaged; pass overlap=True to AllReduceGradients")),
     'sparse parameter': dict(model=_SparseParameter,
                              error=(ValueError, r"parameter 'w' \(float32, torch.sparse_coo\) cannot be averaged by "
                                                 r"AllReduceGradients: only dense floating or complex parameters are; "
@@ -161,6 +164,18 @@ def _data(ids=False):
     y = torch.randint(0, 3, (n,), generator=generator)
     split = 2 * B * STEPS
     return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
+
+
+def _closure_past_the_output(state):
+    """A closure that calls the model's layers one by one, never the model itself."""
+    state[torchbearer.OPTIMIZER].zero_grad()
+    x = state[torchbearer.X]
+    for layer in state[torchbearer.MODEL]:
+        x = layer(x)
+    state[torchbearer.Y_PRED] = x
+    state[torchbearer.LOSS] = nn.functional.cross_entropy(x, state[torchbearer.Y_TRUE])
+    state[torchbearer.LOSS].backward()
+    state[torchbearer.CALLBACK_LIST].on_backward(state)
 
 
 def _loader(dataset, distributed):
@@ -198,6 +213,8 @@ def _train(name, order, distributed):
     trial.with_generators(_loader(train, distributed), _loader(val, distributed))
     if 'steps' in row:
         trial.for_steps(*row['steps'])
+    if row.get('closure'):
+        trial.with_closure(_closure_past_the_output)
     history = trial.run(row.get('epochs', EPOCHS))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if distributed and row.get('ddp'):
