@@ -601,12 +601,15 @@ def test_flatten_images_in_training_validation_test_and_predict():
 
 
 def test_callbacks_are_inert_in_a_job_of_one():
-    """Without a process group, the same Trial runs unchanged: nothing communicates."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    before = _snapshot(model)
-    trial = Trial(model, _sgd(model, lr=0.0), nn.MSELoss(), callbacks=[*distributed_callbacks(), CheckReplicas(1),
-                                                                      EvenBatches('error')], verbose=0)
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    trial.with_train_generator(DataLoader(TensorDataset(x, y), batch_size=4)).run(1)
-    _assert_equal(_snapshot(model), before)
+    """Without a process group, the same Trial trains exactly as it does without the callbacks."""
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 1)
+    results = []
+    for callbacks in ([*distributed_callbacks(), CheckReplicas(1), EvenBatches('error')], []):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        before = _snapshot(model)
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=callbacks, verbose=0)
+        trial.with_train_generator(DataLoader(TensorDataset(x, y), batch_size=4)).run(2)
+        assert not torch.equal(model.weight, before['weight'])  # it trained
+        results.append(_snapshot(model))
+    _assert_equal(*results)
