@@ -388,6 +388,26 @@ def _scenario_overlap_in_backward():
     return {'seen': watch.seen, 'buckets': len(reduce.buckets.buckets)}
 
 
+class _EvaluateAt(Callback):
+    """Calls the Trial's evaluate() from inside a training step (a nested run of the callbacks)."""
+
+    def on_step_training(self, state):
+        if state[torchbearer.BATCH] == 1:
+            state[torchbearer.SELF].evaluate()
+
+
+def _scenario_nested_evaluate():
+    out = []
+    for nested in (False, True):
+        torch.manual_seed(120 + _rank())
+        model = nn.Linear(4, 1)
+        extra = [_EvaluateAt()] if nested else []
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[*extra, *distributed_callbacks()], verbose=0)
+        trial.with_generators(_loader(16), _loader(8)).run(2)
+        out.append(_snapshot(model))
+    return out
+
+
 SCENARIOS = {
     'broadcast': lambda: _scenario_broadcast('broadcast'),
     'p2p': lambda: _scenario_broadcast('p2p'),
@@ -402,6 +422,7 @@ SCENARIOS = {
     'check_replicas': _scenario_check_replicas,
     'reuse': _scenario_reuse,
     'overlap_in_backward': _scenario_overlap_in_backward,
+    'nested_evaluate': _scenario_nested_evaluate,
 }
 
 
@@ -536,6 +557,14 @@ def test_callbacks_serve_several_trials_a_failed_run_and_new_frozen_layers(scena
     rank0, rank1 = scenario_values(scenarios, 'reuse')
     for fold in (0, 1):
         _assert_equal(rank0[fold], rank1[fold])
+
+
+@pytest.mark.slow
+def test_evaluate_nested_in_a_run_leaves_the_run_synchronized(scenarios):
+    rank0, rank1 = scenario_values(scenarios, 'nested_evaluate')
+    plain, nested = rank0
+    _assert_equal(nested, rank1[1])
+    _assert_equal(nested, plain)
 
 
 @pytest.mark.slow

@@ -107,13 +107,10 @@ class AllReduceGradients(AgreeOnStop):
         self.on_nonfinite = on_nonfinite
         self.skipped = 0
         self._ddp = False
-        self._run = 0
+        self._owner = None  # weak reference to the state of the run whose training steps are hooked
 
     def on_start(self, state):
         super().on_start(state)
-        self._run += 1
-        if self.buckets is not None:
-            self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
         if comm.world_size() == 1:
             return
         model = state[torchbearer.MODEL]
@@ -122,28 +119,39 @@ class AllReduceGradients(AgreeOnStop):
                 warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
                               'AllReduceGradients leaves them alone (drop it to silence this warning)', stacklevel=2)
             self._ddp = True
+            return
+        self._ddp = False
+        check_supported(_trainable(state))  # before any collective of the run
+
+    def on_start_training(self, state):
+        super().on_start_training(state)
+        if self.buckets is not None:
+            self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
+        if comm.world_size() == 1 or self._ddp:
             self.buckets = None
             return
-        named = _trainable(state)
-        check_supported(named)
-        params = [p for _, p in named]
+        params = [p for _, p in _trainable(state)]
         if self.buckets is None or not self.buckets.same_params(params):
             self.buckets = GradientBuckets(params, **self.options) if params else None
-        if self.buckets is not None:
-            self.buckets.attach(model)
-            # torchbearer skips on_end when run() raises: the hooks also go when this run's state does.
-            weakref.finalize(state, self._expire, weakref.ref(self), self._run)
         state[SKIPPED_STEPS] = self.skipped
+        if self.buckets is None:
+            return
+        self.buckets.attach(state[torchbearer.MODEL])
+        if self._owner is None or self._owner() is not state:
+            # torchbearer skips on_end when run() raises: the hooks also go when this run's state does.
+            self._owner = weakref.ref(state)
+            weakref.finalize(state, self._expire, weakref.ref(self))
 
     @staticmethod
-    def _expire(ref, run):
+    def _expire(ref):
         self = ref()
-        if self is not None and self._run == run and self.buckets is not None:
+        if self is not None and self._owner is not None and self._owner() is None and self.buckets is not None:
             self.buckets.detach()
 
     def on_end(self, state):
         super().on_end(state)
-        if self.buckets is not None:
+        # Only the end of the run that attached them: an evaluate() nested in a run leaves them alone.
+        if self.buckets is not None and self._owner is not None and self._owner() is state:
             self.buckets.detach()
 
     def on_sample(self, state):
