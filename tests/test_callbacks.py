@@ -6,7 +6,10 @@ checks its own scenario. A scenario that must raise asserts that on every rank w
 survived, no rank aborted or hangs. After a scenario fails on any rank, the rest are not run.
 """
 import copy
+import datetime
+import io
 import warnings
+from contextlib import redirect_stderr
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from torchbearer_dist import (
     distributed_callbacks,
 )
 
-from _dist import run_in_step, run_workers, scenario_values
+from _dist import PG_TIMEOUT, run_in_step, run_workers, scenario_values
 
 
 def _rank():
@@ -225,12 +228,14 @@ class _StopOnRank(Callback):
 
 def _scenario_stop():
     out = {}
-    for name, stopper in (('step', _StopOnRank(1, batch=3)), ('epoch', _StopOnRank(1, epoch_end=0))):
+    for name, stopper in (('step', _StopOnRank(1, batch=3)), ('epoch', _StopOnRank(1, epoch_end=0)),
+                          ('step_after', _StopOnRank(1, batch=3))):
         torch.manual_seed(50)
         model = nn.Linear(4, 1)
         record = _Record()
-        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[record, stopper, *distributed_callbacks()],
-                      verbose=0)
+        callbacks = [record, *distributed_callbacks(), stopper] if name == 'step_after' else [
+            record, stopper, *distributed_callbacks()]
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=callbacks, verbose=0)
         history = trial.with_train_generator(_loader(32)).run(3)
         out[name] = {'steps': record.steps, 'epochs': len(history), 'params': _snapshot(model)}
     return out
@@ -355,6 +360,54 @@ def _scenario_reuse():
     return out
 
 
+class _WatchInputGrad(Callback):
+    """From inside backward, when the input's gradient is computed (the last step of backward), look at the buckets."""
+
+    def __init__(self, reduce):
+        super().__init__()
+        self.reduce, self.seen = reduce, []
+
+    def on_sample(self, state):
+        x = state[torchbearer.X].clone().requires_grad_()
+        state[torchbearer.X] = x
+        x.register_hook(self._look)
+
+    def _look(self, grad):
+        buckets = self.reduce.buckets.buckets
+        self.seen.append([bucket.sent for bucket in buckets])
+
+
+def _scenario_overlap_in_backward():
+    """With overlap, the last layers' buckets are sent while backward still runs through the first layers."""
+    torch.manual_seed(100)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    reduce = AllReduceGradients(overlap=True, bucket_cap_mb=0.01, first_bucket_mb=0.01)
+    watch = _WatchInputGrad(reduce)
+    trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[watch, BroadcastParameters(), reduce], verbose=0)
+    trial.with_train_generator(_loader(12)).run(1)
+    return {'seen': watch.seen, 'buckets': len(reduce.buckets.buckets)}
+
+
+class _EvaluateAt(Callback):
+    """Calls the Trial's evaluate() from inside a training step (a nested run of the callbacks)."""
+
+    def on_step_training(self, state):
+        if state[torchbearer.BATCH] == 1:
+            state[torchbearer.SELF].evaluate()
+
+
+def _scenario_nested_evaluate():
+    out = []
+    for nested in (False, True):
+        torch.manual_seed(120 + _rank())
+        model = nn.Linear(4, 1)
+        extra = [_EvaluateAt()] if nested else []
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[*extra, *distributed_callbacks()], verbose=0)
+        trial.with_generators(_loader(16), _loader(8)).run(2)
+        out.append(_snapshot(model))
+    return out
+
+
 SCENARIOS = {
     'broadcast': lambda: _scenario_broadcast('broadcast'),
     'p2p': lambda: _scenario_broadcast('p2p'),
@@ -368,6 +421,8 @@ SCENARIOS = {
     'uneven_error': _scenario_uneven_error,
     'check_replicas': _scenario_check_replicas,
     'reuse': _scenario_reuse,
+    'overlap_in_backward': _scenario_overlap_in_backward,
+    'nested_evaluate': _scenario_nested_evaluate,
 }
 
 
@@ -466,6 +521,9 @@ def test_stop_on_one_rank_stops_both_at_the_same_step(scenarios):
     # Set after batch 3 on rank 1: it travels with the next step's gradients; both stop after batch 4.
     assert rank0['step']['steps'] == rank1['step']['steps'] == {0: 5}
     _assert_equal(rank0['step']['params'], rank1['step']['params'])
+    # The same stop from a callback placed after ours: the agreement still sees it.
+    assert rank0['step_after']['steps'] == rank1['step_after']['steps'] == {0: 5}
+    _assert_equal(rank0['step_after']['params'], rank0['step']['params'])
     # Set at the end of epoch 0 on rank 1: both end after that epoch.
     assert rank0['epoch']['epochs'] == rank1['epoch']['epochs'] == 1
     assert rank0['epoch']['steps'] == rank1['epoch']['steps'] == {0: 8}
@@ -501,6 +559,49 @@ def test_callbacks_serve_several_trials_a_failed_run_and_new_frozen_layers(scena
         _assert_equal(rank0[fold], rank1[fold])
 
 
+@pytest.mark.slow
+def test_evaluate_nested_in_a_run_leaves_the_run_synchronized(scenarios):
+    rank0, rank1 = scenario_values(scenarios, 'nested_evaluate')
+    plain, nested = rank0
+    _assert_equal(nested, rank1[1])
+    _assert_equal(nested, plain)
+
+
+@pytest.mark.slow
+def test_overlap_sends_late_buckets_before_backward_ends(scenarios):
+    for rank in scenario_values(scenarios, 'overlap_in_backward'):
+        assert rank['buckets'] >= 3
+        assert len(rank['seen']) == 3  # one look per step, from inside each backward
+        for sent in rank['seen']:
+            assert sent[0] and sent[1], sent  # the last layers' buckets were already on the wire
+            assert not sent[-1], sent  # the first layer's bucket waits for its gradient
+
+
+def _worker_late_group(path):
+    """The Trial is built before the process group exists, as the shared-file snippet invites."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    torch.manual_seed(110 + rank)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=distributed_callbacks(), verbose=1)
+    dist.init_process_group('gloo', init_method='file://' + path, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        trial.with_train_generator(_loader(8)).run(1)
+    return {'params': _snapshot(model), 'err': err.getvalue()}
+
+
+@pytest.mark.slow
+def test_trial_built_before_the_process_group_is_broadcast_at_its_first_epoch(tmp_path):
+    rank0, rank1 = run_workers(_worker_late_group, 2, args=(str(tmp_path / 'store'),))
+    _assert_equal(rank0['params'], rank1['params'])
+    # The rank-0 output decision is made then too. Only the first line of the bar that run(verbose=1)
+    # injected may show on rank 1: torchbearer starts that printer before any callback's on_start.
+    assert '1/1' not in rank1['err'] and '1/1' in rank0['err']
+
+
 class _ShapeCheck(nn.Module):
     def __init__(self):
         super().__init__()
@@ -529,12 +630,15 @@ def test_flatten_images_in_training_validation_test_and_predict():
 
 
 def test_callbacks_are_inert_in_a_job_of_one():
-    """Without a process group, the same Trial runs unchanged: nothing communicates."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    before = _snapshot(model)
-    trial = Trial(model, _sgd(model, lr=0.0), nn.MSELoss(), callbacks=[*distributed_callbacks(), CheckReplicas(1),
-                                                                      EvenBatches('error')], verbose=0)
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    trial.with_train_generator(DataLoader(TensorDataset(x, y), batch_size=4)).run(1)
-    _assert_equal(_snapshot(model), before)
+    """Without a process group, the same Trial trains exactly as it does without the callbacks."""
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 1)
+    results = []
+    for callbacks in ([*distributed_callbacks(), CheckReplicas(1), EvenBatches('error')], []):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        before = _snapshot(model)
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=callbacks, verbose=0)
+        trial.with_train_generator(DataLoader(TensorDataset(x, y), batch_size=4)).run(2)
+        assert not torch.equal(model.weight, before['weight'])  # it trained
+        results.append(_snapshot(model))
+    _assert_equal(*results)

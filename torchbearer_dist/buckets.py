@@ -105,7 +105,7 @@ class GradientBuckets:
         self._hooks = []
         self._next = 0
         self._stop = 0.0
-        self._armed = self._in_backward = self._syncing = False
+        self._armed = self._in_backward = self._syncing = self._unfinished = False
         self.backwards = 0  # armed backward passes, local ones included
         self.began = 0  # backward passes noticed in the current step
         self.synced = False  # a backward of the current step synchronized
@@ -141,10 +141,11 @@ class GradientBuckets:
 
     def arm(self):
         """A training step starts: its backward passes synchronize (every ``sync_every``-th of them)."""
-        if self._next or any(bucket.sent for bucket in self.buckets):  # a backward that raised midway
+        if self._unfinished:  # a backward that raised after sending some buckets
             for bucket in self.buckets:
                 bucket.reset()
             self._next = 0
+            self._unfinished = False
         self._armed = True
         self._in_backward = self.synced = False
         self.began = 0
@@ -186,6 +187,8 @@ class GradientBuckets:
         self.reduce()
 
     def _overlap_hook(self, bucket, position):
+        view = bucket.views[position]
+
         def on_grad(param):
             if not self._in_backward:
                 if not self._armed:
@@ -195,7 +198,13 @@ class GradientBuckets:
                 return
             if bucket.sent:
                 raise RuntimeError('a gradient was produced again after its bucket was sent in this backward pass')
-            bucket.put(position, param.grad)
+            grad = param.grad
+            if grad is not view:
+                if grad.is_sparse:
+                    bucket.put(position, grad)
+                else:
+                    view.copy_(grad)
+                    param.grad = view
             if not bucket.present[position]:
                 bucket.present[position] = True
                 bucket.pending -= 1
@@ -223,7 +232,7 @@ class GradientBuckets:
         else:
             bucket.grads.div_(self.world_size)
             bucket.wire = bucket.flat.to(self.compression)
-        bucket.sent = True
+        bucket.sent = self._unfinished = True
         bucket.work = dist.all_reduce(bucket.wire, async_op=True)
 
     def _wait(self, bucket):
@@ -255,6 +264,7 @@ class GradientBuckets:
             bucket.reset()
         self._next = 0
         self._stop = 0.0
+        self._unfinished = False
         self.nonfinite = not self.all_finite()
         if self.nonfinite:
             for p in self.params:

@@ -3,25 +3,19 @@
 Each works with no arguments once the process group is up, and does nothing in a job of one
 process, so the same Trial runs unchanged with and without distribution.
 """
-import warnings
 import weakref
 
 import torch
 import torchbearer
-from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
 from torchbearer_dist import comm
-from torchbearer_dist.buckets import GradientBuckets
 from torchbearer_dist.consistency import EvenBatches
 from torchbearer_dist.data import SetSamplerEpoch
-from torchbearer_dist.flat_buckets import check_supported
+from torchbearer_dist.gradients import SKIPPED_STEPS, AllReduceGradients  # noqa: F401 (re-exported)
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOutput
 from torchbearer_dist.stop import AgreeOnStop
-
-#: State key: how many steps were skipped because the averaged gradients were not finite.
-SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
 
 
 class BroadcastParameters(Callback):
@@ -75,180 +69,6 @@ class BroadcastParameters(Callback):
         self._done = (weakref.ref(trial) if trial is not None else lambda: None, weakref.ref(model))
 
 
-def _trainable(state):
-    """``(name, parameter)`` of every parameter that needs a gradient: the model's, then the optimizer's others."""
-    named, seen = [], set()
-    for name, p in state[torchbearer.MODEL].named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            named.append((name, p))
-    optimizer = state.get(torchbearer.OPTIMIZER)
-    groups = getattr(optimizer, 'param_groups', None) or getattr(getattr(optimizer, 'optimizer', None),
-                                                                 'param_groups', None) or []
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group['params']):
-            if p.requires_grad and id(p) not in seen:  # e.g. a learnable term of the loss
-                seen.add(id(p))
-                named.append(('optimizer param_groups[{}] #{}'.format(g, i), p))
-    return named
-
-
-class AllReduceGradients(AgreeOnStop):
-    """Average every gradient over all ranks, complete when backward returns.
-
-    Gradients are fused into flat buckets (see :class:`~torchbearer_dist.buckets.GradientBuckets`)
-    whose average is complete before ``backward()`` returns, so every ``on_backward`` callback,
-    wherever it sits in the list (GradientNormClipping, gradient logging), sees averaged gradients,
-    with the standard closure, a custom closure or ``Trial.with_closure``. Parameters of the optimizer
-    that are not in the model (a learnable loss term) are averaged too. A gradient that is None on
-    this rank is zero-filled so that every rank issues the same collectives; frozen parameters are
-    left alone. Sparse gradients are averaged (as dense, handed back sparse); complex parameters
-    too. The averaged gradients are checked for NaN and Inf on every rank alike.
-
-    Collectives run only inside the Trial's training steps: a backward outside them (after a run,
-    or after a run that raised) stays local.
-
-    It also makes every rank stop at the same step when a callback on any rank sets
-    ``state[torchbearer.STOP_TRAINING]`` (TerminateOnNaN, EarlyStopping): the request travels with
-    the next step's gradients, at no extra cost (see :class:`AgreeOnStop`).
-
-    At the end of each training pass it copies rank 0's buffers (BatchNorm running statistics), which
-    each rank updates from its own batches, to every rank: validation, checkpoints and
-    :class:`CheckReplicas` then see one model.
-
-    Example: ::
-
-        >>> from torchbearer import Trial
-        >>> from torchbearer_dist import AllReduceGradients
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[AllReduceGradients()])
-
-    Args:
-        bucket_cap_mb (float): capacity of a gradient bucket in MiB
-        first_bucket_mb (float): capacity of the first bucket sent, small so sending starts early
-        compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in
-        sync_every (int): all-reduce only on every k-th backward, for gradient accumulation; the
-            backward passes in between stay local (like DDP's ``no_sync``). The optimizer must then
-            step only after the k-th backward and keep gradients in between, as an accumulating
-            optimizer wrapper or closure does; a plain Trial steps on every batch, and its replicas
-            would drift apart on the local gradients
-        on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
-            :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
-        overlap (bool or str): ``True`` starts each bucket's all-reduce from autograd hooks during
-            backward; ``False`` copies every gradient in with one fused copy per bucket at the end of
-            backward; ``'auto'`` overlaps only when the gradients span more than one bucket (a single
-            bucket cannot overlap anything, and the hooks cost Python time per parameter)
-
-    Raises:
-        ValueError: a bad option; at the start of a run, a parameter that cannot be averaged (named)
-
-    State Requirements:
-        - :attr:`torchbearer.state.MODEL`: the model whose gradients are averaged
-        - :attr:`torchbearer.state.OPTIMIZER`: its parameters outside the model are averaged too
-
-    .. warning:: A synchronization point on every backward: every rank must run the same number of
-        steps (see :class:`EvenBatches`).
-    """
-
-    def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
-                 on_nonfinite='skip', overlap='auto'):
-        super().__init__()
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
-        if on_nonfinite not in ('skip', 'raise'):
-            raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
-        if not (isinstance(overlap, bool) or overlap == 'auto'):
-            raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
-        if compression not in (None, 'none', 'fp16', 'bf16'):
-            raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
-            raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
-        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
-                            overlap=overlap, sync_every=sync_every)
-        self.sync_every = sync_every
-        self.on_nonfinite = on_nonfinite
-        self.skipped = 0
-        self._ddp = False
-        self._run = 0
-
-    def on_start(self, state):
-        super().on_start(state)
-        self._run += 1
-        if self.buckets is not None:
-            self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
-        if comm.world_size() == 1:
-            return
-        model = state[torchbearer.MODEL]
-        if isinstance(model, DistributedDataParallel):
-            if not self._ddp:
-                warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
-                              'AllReduceGradients leaves them alone (drop it to silence this warning)', stacklevel=2)
-            self._ddp = True
-            self.buckets = None
-            return
-        named = _trainable(state)
-        check_supported(named)
-        params = [p for _, p in named]
-        if self.buckets is None or not self.buckets.same_params(params):
-            self.buckets = GradientBuckets(params, **self.options) if params else None
-        if self.buckets is not None:
-            self.buckets.attach(model)
-            # torchbearer skips on_end when run() raises: the hooks also go when this run's state does.
-            weakref.finalize(state, self._expire, weakref.ref(self), self._run)
-        state[SKIPPED_STEPS] = self.skipped
-
-    @staticmethod
-    def _expire(ref, run):
-        self = ref()
-        if self is not None and self._run == run and self.buckets is not None:
-            self.buckets.detach()
-
-    def on_end(self, state):
-        super().on_end(state)
-        if self.buckets is not None:
-            self.buckets.detach()
-
-    def on_sample(self, state):
-        if self.buckets is not None:
-            self.buckets.arm()
-
-    def on_end_training(self, state):
-        if self.buckets is not None:
-            self.buckets.disarm()
-        if comm.world_size() > 1 and not self._ddp:
-            comm.broadcast_buffers(state[torchbearer.MODEL])
-
-    def on_backward(self, state):
-        if self.buckets is not None:
-            self._check_step(state)
-
-    def _stopped_by_buckets(self):
-        return self.buckets is not None and self.buckets.synced and self.buckets.stop
-
-    def _after_step(self, state):
-        if self.buckets is not None:
-            self._check_step(state)
-            self.buckets.disarm()
-        super()._after_step(state)
-
-    def _check_step(self, state):
-        buckets = self.buckets
-        if buckets.missed():
-            raise RuntimeError('gradients were computed without passing through the output of state[MODEL], so they '
-                               'were not averaged; pass overlap=True to AllReduceGradients')
-        if not buckets.synced or not buckets.nonfinite:
-            return
-        if self.on_nonfinite == 'raise':
-            raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
-                               'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
-                                   state[torchbearer.EPOCH], state[torchbearer.BATCH]))
-        buckets.nonfinite = False  # counted once, whether on_backward runs or not
-        self.skipped += 1
-        state[SKIPPED_STEPS] = self.skipped
-        if self.skipped == 1 and comm.rank() == 0:
-            warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
-                          'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
-
-
 class FlattenImages(Callback):
     """Reshape each batch of inputs to ``(batch, -1)``, in training, validation and test alike.
 
@@ -273,7 +93,8 @@ class FlattenImages(Callback):
         self._flatten(state)
 
 
-def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', **all_reduce):
+def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
+                          **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
     They work wherever they sit in the Trial's callback list, before or after your own callbacks:
@@ -293,6 +114,8 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             averages gradients itself: :class:`AgreeOnStop` replaces :class:`AllReduceGradients`
         broadcast (str): ``method`` of :class:`BroadcastParameters`
         uneven (str): ``policy`` of :class:`EvenBatches`
+        gather_predictions (bool): ``predict()`` returns the whole dataset's predictions on every rank
+            (:class:`ReduceMetrics`); False keeps each rank's own shard
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``, ...)
 
     Returns:
@@ -300,7 +123,7 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         optionally FlattenImages, and AllReduceGradients (or AgreeOnStop) last
     """
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(), EvenBatches(policy=uneven),
-                 ReduceMetrics(), RankZeroOutput()]
+                 ReduceMetrics(gather_predictions=gather_predictions), RankZeroOutput()]
     if flatten_images:
         callbacks.append(FlattenImages())
     callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(**all_reduce))

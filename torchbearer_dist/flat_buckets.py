@@ -21,8 +21,8 @@ def check_supported(named_params):
     for name, p in named_params:
         if p.layout != torch.strided or not (p.is_floating_point() or p.is_complex()):
             raise ValueError("parameter '{}' ({}, {}) cannot be averaged by AllReduceGradients: only dense floating "
-                             "or complex parameters are; wrap the model with wrap_ddp, or freeze it (requires_grad="
-                             "False)".format(name, str(p.dtype).replace('torch.', ''), p.layout))
+                             "or complex parameters are; make it dense, or freeze it (requires_grad=False)".format(
+                                 name, str(p.dtype).replace('torch.', ''), p.layout))
 
 
 def _real_dtype(p):

@@ -78,7 +78,12 @@ class RankZeroOutput(Callback):
             return
         callbacks = state[torchbearer.CALLBACK_LIST]
         if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
-            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
+            # The printer injected by run(verbose=...) when the group came up after the Trial was built:
+            # it drew its first line before this on_start; it draws nothing more, not even on close.
+            bar = getattr(callbacks.callback, '_loader', None)
+            if bar is not None:
+                bar.disable = True
+            callbacks.callback = _Silent(callbacks.callback)
 
     @staticmethod
     def _silence(state):

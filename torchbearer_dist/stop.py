@@ -44,8 +44,8 @@ class AgreeOnStop(Callback):
     of an epoch is agreed by one all-reduce. :class:`AllReduceGradients` does this itself, carrying
     the request in its gradient buckets at no cost; use this one with a DistributedDataParallel model.
 
-    It works wherever it sits in the callback list: for the length of each run it appends a small
-    companion to the end of the Trial's callback list, which reads the stop requests of the step
+    It works wherever it sits in the callback list: for the length of each training run it appends a
+    small companion to the end of the Trial's callback list, which reads the stop requests of the step
     after every other callback has run (torchbearer has no hook that runs after all callbacks).
 
     Example: ::
@@ -68,23 +68,26 @@ class AgreeOnStop(Callback):
         self._stop_requested = False
         self._stop_agreed = False
         self._last_word = _LastWord(self)
+        self._run_state = None
 
-    def on_start(self, state):
+    def on_start_training(self, state):
         self._stop_requested = self._stop_agreed = False
         if comm.world_size() == 1:
             return
         # torchbearer calls callbacks in list order and has no hook after them all: the one place where
-        # this package edits the Trial's callback list for a run (removed again in on_end, and before
-        # it is appended again, so a run that raised leaves no duplicate).
+        # this package edits the Trial's callback list, for the run (removed in on_end, and before it is
+        # appended again, so a run that raised leaves no duplicate).
         callbacks = _callback_list(state)
         if self._last_word in callbacks:
             callbacks.remove(self._last_word)
         callbacks.append(self._last_word)
+        self._run_state = weakref.ref(state)
 
     def on_end(self, state):
-        callbacks = _callback_list(state)
-        if self._last_word in callbacks:
-            callbacks.remove(self._last_word)
+        if self._run_state is not None and self._run_state() is state:  # not an evaluate() nested in the run
+            callbacks = _callback_list(state)
+            if self._last_word in callbacks:
+                callbacks.remove(self._last_word)
 
     def _stopped_by_buckets(self):
         """Whether the gradients of this step carried a stop request from some rank."""

@@ -1,0 +1,196 @@
+"""Gradient averaging in a Trial: :class:`AllReduceGradients`, a thin callback over :mod:`.buckets`."""
+import warnings
+import weakref
+
+import torchbearer
+from torch.nn.parallel import DistributedDataParallel
+
+from torchbearer_dist import comm
+from torchbearer_dist.buckets import GradientBuckets
+from torchbearer_dist.flat_buckets import check_supported
+from torchbearer_dist.stop import AgreeOnStop
+
+#: State key: how many steps were skipped because the averaged gradients were not finite.
+SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
+
+
+def _trainable(state):
+    """``(name, parameter)`` of every parameter that needs a gradient: the model's, then the optimizer's others."""
+    named, seen = [], set()
+    for name, p in state[torchbearer.MODEL].named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            named.append((name, p))
+    optimizer = state.get(torchbearer.OPTIMIZER)
+    groups = getattr(optimizer, 'param_groups', None) or getattr(getattr(optimizer, 'optimizer', None),
+                                                                 'param_groups', None) or []
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group['params']):
+            if p.requires_grad and id(p) not in seen:  # e.g. a learnable term of the loss
+                seen.add(id(p))
+                named.append(('optimizer param_groups[{}] #{}'.format(g, i), p))
+    return named
+
+
+class AllReduceGradients(AgreeOnStop):
+    """Average every gradient over all ranks, complete when backward returns.
+
+    Gradients are fused into flat buckets (see :class:`~torchbearer_dist.buckets.GradientBuckets`)
+    whose average is complete before ``backward()`` returns, so every ``on_backward`` callback,
+    wherever it sits in the list (GradientNormClipping, gradient logging), sees averaged gradients,
+    with the standard closure, a custom closure or ``Trial.with_closure``. Parameters of the optimizer
+    that are not in the model (a learnable loss term) are averaged too. A gradient that is None on
+    this rank is zero-filled so that every rank issues the same collectives; frozen parameters are
+    left alone. Sparse gradients are averaged (as dense, handed back sparse); complex parameters
+    too. The averaged gradients are checked for NaN and Inf on every rank alike.
+
+    Collectives run only inside the Trial's training steps: a backward outside them (after a run,
+    or after a run that raised) stays local.
+
+    It also makes every rank stop at the same step when a callback on any rank sets
+    ``state[torchbearer.STOP_TRAINING]`` (TerminateOnNaN, EarlyStopping): the request travels with
+    the next step's gradients, at no extra cost (see :class:`AgreeOnStop`).
+
+    At the end of each training pass it copies rank 0's buffers (BatchNorm running statistics), which
+    each rank updates from its own batches, to every rank: validation, checkpoints and
+    :class:`CheckReplicas` then see one model.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> from torchbearer_dist import AllReduceGradients
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[AllReduceGradients()])
+
+    Args:
+        bucket_cap_mb (float): capacity of a gradient bucket in MiB
+        first_bucket_mb (float): capacity of the first bucket sent, small so sending starts early
+        compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in
+        sync_every (int): all-reduce only on every k-th backward, for gradient accumulation; the
+            backward passes in between stay local (like DDP's ``no_sync``). The optimizer must then
+            step only after the k-th backward and keep gradients in between, as an accumulating
+            optimizer wrapper or closure does; a plain Trial steps on every batch, and its replicas
+            would drift apart on the local gradients
+        on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
+            :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
+        overlap (bool or str): ``True`` starts each bucket's all-reduce from autograd hooks during
+            backward; ``False`` copies every gradient in with one fused copy per bucket at the end of
+            backward; ``'auto'`` overlaps only when the gradients span more than one bucket (a single
+            bucket cannot overlap anything, and the hooks cost Python time per parameter)
+
+    Raises:
+        ValueError: a bad option; at the start of a run, a parameter that cannot be averaged (named)
+
+    State Requirements:
+        - :attr:`torchbearer.state.MODEL`: the model whose gradients are averaged
+        - :attr:`torchbearer.state.OPTIMIZER`: its parameters outside the model are averaged too
+
+    .. warning:: A synchronization point on every backward: every rank must run the same number of
+        steps (see :class:`EvenBatches`).
+    """
+
+    def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
+                 on_nonfinite='skip', overlap='auto'):
+        super().__init__()
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
+        if on_nonfinite not in ('skip', 'raise'):
+            raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
+        if not (isinstance(overlap, bool) or overlap == 'auto'):
+            raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
+        if compression not in (None, 'none', 'fp16', 'bf16'):
+            raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
+        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+            raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
+        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
+                            overlap=overlap, sync_every=sync_every)
+        self.sync_every = sync_every
+        self.on_nonfinite = on_nonfinite
+        self.skipped = 0
+        self._ddp = False
+        self._owner = None  # weak reference to the state of the run whose training steps are hooked
+
+    def on_start(self, state):
+        super().on_start(state)
+        if comm.world_size() == 1:
+            return
+        model = state[torchbearer.MODEL]
+        if isinstance(model, DistributedDataParallel):
+            if not self._ddp:
+                warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
+                              'AllReduceGradients leaves them alone (drop it to silence this warning)', stacklevel=2)
+            self._ddp = True
+            return
+        self._ddp = False
+        check_supported(_trainable(state))  # before any collective of the run
+
+    def on_start_training(self, state):
+        super().on_start_training(state)
+        if self.buckets is not None:
+            self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
+        if comm.world_size() == 1 or self._ddp:
+            self.buckets = None
+            return
+        params = [p for _, p in _trainable(state)]
+        if self.buckets is None or not self.buckets.same_params(params):
+            self.buckets = GradientBuckets(params, **self.options) if params else None
+        state[SKIPPED_STEPS] = self.skipped
+        if self.buckets is None:
+            return
+        self.buckets.attach(state[torchbearer.MODEL])
+        if self._owner is None or self._owner() is not state:
+            # torchbearer skips on_end when run() raises: the hooks also go when this run's state does.
+            self._owner = weakref.ref(state)
+            weakref.finalize(state, self._expire, weakref.ref(self))
+
+    @staticmethod
+    def _expire(ref):
+        self = ref()
+        if self is not None and self._owner is not None and self._owner() is None and self.buckets is not None:
+            self.buckets.detach()
+
+    def on_end(self, state):
+        super().on_end(state)
+        # Only the end of the run that attached them: an evaluate() nested in a run leaves them alone.
+        if self.buckets is not None and self._owner is not None and self._owner() is state:
+            self.buckets.detach()
+
+    def on_sample(self, state):
+        if self.buckets is not None:
+            self.buckets.arm()
+
+    def on_end_training(self, state):
+        if self.buckets is not None:
+            self.buckets.disarm()
+        if comm.world_size() > 1 and not self._ddp:
+            comm.broadcast_buffers(state[torchbearer.MODEL])
+
+    def on_backward(self, state):
+        if self.buckets is not None:
+            self._check_step(state)
+
+    def _stopped_by_buckets(self):
+        return self.buckets is not None and self.buckets.synced and self.buckets.stop
+
+    def _after_step(self, state):
+        if self.buckets is not None:
+            self._check_step(state)
+            self.buckets.disarm()
+        super()._after_step(state)
+
+    def _check_step(self, state):
+        buckets = self.buckets
+        if buckets.missed():
+            raise RuntimeError('gradients were computed without passing through the output of state[MODEL], so they '
+                               'were not averaged; pass overlap=True to AllReduceGradients')
+        if not buckets.synced or not buckets.nonfinite:
+            return
+        if self.on_nonfinite == 'raise':
+            raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
+                               'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
+                                   state[torchbearer.EPOCH], state[torchbearer.BATCH]))
+        buckets.nonfinite = False  # counted once, whether on_backward runs or not
+        self.skipped += 1
+        state[SKIPPED_STEPS] = self.skipped
+        if self.skipped == 1 and comm.rank() == 0:
+            warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
+                          'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
