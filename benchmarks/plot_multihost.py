@@ -1,0 +1,50 @@
+"""The figure of the multi-host benchmark: samples/s per link, one panel per model, projection marked."""
+COLOURS = {'single-1-thread': '#9e9e9e', 'single-all-cores': '#616161', 'ddp': '#d62728', 'ddp-fp16-hook': '#ff9896',
+           'ddp-powersgd-hook': '#8c564b', 'per-param-recipe': '#ff7f0e', 'ours': '#1f77b4', 'ours-fp16': '#6baed6',
+           'ours-bf16': '#9ecae1', 'ours-powersgd': '#2ca02c'}
+
+
+def plot(path, rows, command):
+    """Write a PNG of ``rows`` (multihost.py's) to ``path``, legible at 1000 px wide."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r['model'] for r in rows))
+    links = list(dict.fromkeys(r['link'] for r in rows))
+    names = [n for n in COLOURS if any(r['contender'] == n for r in rows)]
+    columns = 2 if len(models) > 1 else 1
+    lines = (len(models) + columns - 1) // columns
+    figure, axes = plt.subplots(lines, columns, figsize=(13, 4.6 * lines + 1.2), squeeze=False)
+    width = 0.8 / max(1, len(names))
+    for index, model in enumerate(models):
+        ax = axes[index // columns][index % columns]
+        for k, name in enumerate(names):
+            xs, ys, px, py = [], [], [], []
+            for i, link in enumerate(links):
+                row = next((r for r in rows if (r['model'], r['link'], r['contender']) == (model, link, name)), None)
+                if row and row.get('samples_per_s'):
+                    xs.append(i + (k - len(names) / 2 + 0.5) * width)
+                    ys.append(row['samples_per_s'])
+                    if row.get('projected'):
+                        px.append(xs[-1])
+                        py.append(row['projected'])
+            ax.bar(xs, ys, width, color=COLOURS[name], label=name if index == 0 else None)
+            ax.plot(px, py, 'k_', markersize=9, markeredgewidth=2,
+                    label='projection model' if index == 0 and k == 0 else None)
+        ax.set_yscale('log')
+        ax.set_xticks(range(len(links)))
+        ax.set_xticklabels(['unshaped' if link == 'none' else link.replace('bit', ' bit/s') for link in links],
+                           fontsize=12)
+        ax.tick_params(axis='y', labelsize=11)
+        ax.set_ylabel('samples/s (median)', fontsize=12)
+        ax.set_title(model, fontsize=14)
+        ax.grid(axis='y', alpha=0.3, which='both')
+    for index in range(len(models), lines * columns):
+        axes[index // columns][index % columns].axis('off')
+    figure.legend(loc='lower center', ncol=6, fontsize=11, frameon=False)
+    figure.suptitle('2 hosts (network namespaces), 1 rank x 1 thread each, batch 64; measured bars, '
+                    'projected black marks', fontsize=13)
+    figure.tight_layout(rect=(0, 0.09, 1, 0.97))
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
