@@ -68,14 +68,14 @@ class PerParameterAllReduce(Callback):
 class PowerSGDGradients(Callback):
     """Our :class:`~torchbearer_dist.powersgd.PowerSGD` averaging gradients in ``on_backward``."""
 
-    def __init__(self):
+    def __init__(self, start_iter=POWERSGD_START):
         super().__init__()
-        self.powersgd = None
+        self.powersgd, self.start_iter = None, start_iter
 
     def on_start(self, state):
         if self.powersgd is None:
             self.powersgd = PowerSGD([p for p in state[torchbearer.MODEL].parameters() if p.requires_grad],
-                                     matrix_approximation_rank=POWERSGD_RANK, start_iter=POWERSGD_START)
+                                     matrix_approximation_rank=POWERSGD_RANK, start_iter=self.start_iter)
 
     def on_backward(self, state):
         self.powersgd.reduce()
@@ -128,7 +128,7 @@ CONTENDERS = {
     'ddp': dict(ranks=0, ddp=True, note='DistributedDataParallel (25 MB buckets, 1 MB first) in a Trial'),
     'ddp-fp16-hook': dict(ranks=0, ddp=True, hook='fp16', note="DDP with torch's fp16_compress_hook"),
     'ddp-powersgd-hook': dict(ranks=0, ddp=True, hook='powersgd',
-                              note="DDP with torch's powerSGD_hook, rank {}, compressing from step {}".format(
+                              note="DDP with torch's powerSGD_hook, rank {}, compressing from step {}, one bucket".format(
                                   POWERSGD_RANK, POWERSGD_START + 1)),
     'per-param-recipe': dict(ranks=0, callbacks=lambda: [BroadcastParameters(), PerParameterAllReduce()],
                              note="torchbearer note's per-parameter all_reduce in on_backward"),
@@ -182,7 +182,10 @@ class _Runner:
         self.batches = [batches[i % len(batches)] for i in range(steps)]
         self.active = spec['ranks'] != 1 or dist.get_rank() == 0
         if spec.get('ddp'):
-            model = DistributedDataParallel(model)
+            # torch's PowerSGD hook issues its second and third all-reduce from the future callbacks of the first;
+            # with two DDP buckets those raced the next bucket's all-reduce into a collective mismatch (gloo abort)
+            # on this loaded machine, so it gets one bucket: every collective in one chain, in one order.
+            model = DistributedDataParallel(model, bucket_cap_mb=25 if spec.get('hook') == 'powersgd' else None)
             register_hook(model, spec.get('hook'))
         self.model = model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

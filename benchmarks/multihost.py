@@ -54,6 +54,12 @@ def parse_args(argv=None):
     parser.add_argument('--steps-scale', type=float, default=1.0, help='multiply the steps of each run by this')
     parser.add_argument('--out', type=str, default=None, help='output folder')
     parser.add_argument('--timeout', type=float, default=300.0, help='seconds for rendezvous and collectives')
+    parser.add_argument('--phases', action='store_true',
+                        help='instead: per-step forward/backward/wait/optimizer ms of DDP and ours in a plain loop')
+    parser.add_argument('--accuracy', type=str, default=None,
+                        help='instead: MNIST accuracy and time to 0.90 of these contenders (e.g. '
+                             'ddp,ours,ours-powersgd-2), on the first of --links')
+    parser.add_argument('--seeds', type=int, default=3, help='seeds of --accuracy runs')
     parser.add_argument('--worker', type=str, default=None, help=argparse.SUPPRESS)  # internal: config file
     args = parser.parse_args(argv)
     if args.worker:
@@ -84,7 +90,14 @@ def worker_main(path):
     dist.init_process_group('gloo', init_method='tcp://{}:{}'.format(job['master'], PORT), rank=job['rank'],
                             world_size=job['world_size'], timeout=datetime.timedelta(seconds=job['timeout']))
     try:
-        result = contenders.worker(dict(job['config'], wire_device=job['device']))
+        if job['config'].get('accuracy'):
+            import accuracy
+            result = accuracy.worker(job['config'])
+        elif job['config'].get('phases'):
+            import phases
+            result = phases.worker(job['config'])
+        else:
+            result = contenders.worker(dict(job['config'], wire_device=job['device']))
     finally:
         dist.destroy_process_group()
     with open(job['result'], 'wb') as f:
@@ -161,7 +174,45 @@ def summarize_link(link, raw, config, hosts):
     return rows
 
 
+ACCURACY = ['link', 'contender', 'final_test_acc', 'final_min', 'final_max', 'seconds_to_90', 'epochs_to_90',
+            'seconds_per_epoch', 'seeds']
+
+
+def summarize_accuracy(link, runs):
+    """Per contender: mean final global test accuracy over seeds, and median wall time to >= 0.90."""
+    import statistics
+    rows = []
+    for name in dict.fromkeys(r['contender'] for r in runs):
+        mine = [r['points'] for r in runs if r['contender'] == name]
+        finals = [points[-1][1] for points in mine]
+        reach = [next(((t, e + 1) for e, (t, acc) in enumerate(points) if acc >= 0.90), (None, None))
+                 for points in mine]
+        times = [t for t, _ in reach if t is not None]
+        rows.append(dict(link=link, contender=name, final_test_acc=statistics.mean(finals), final_min=min(finals),
+                         final_max=max(finals), seconds_to_90=statistics.median(times) if len(times) == len(mine)
+                         else None, epochs_to_90=statistics.median([e for _, e in reach]) if times else None,
+                         seconds_per_epoch=statistics.median([p[-1][0] / len(p) for p in mine]), seeds=len(mine)))
+    print('\naccuracy on link {}:'.format(link))
+    print(run.format_table([{c: fmt(r.get(c), c) for c in ACCURACY} for r in rows], ACCURACY), flush=True)
+    return rows
+
+
+def print_phases(link, phases):
+    """Print rank 0's per-step phases, ms, for each model and contender."""
+    for model, by_name in phases.items():
+        print('\nlink {}, {} (rank 0, plain loop, median ms per step):'.format(link, model))
+        for name, row in by_name.items():
+            print('  {:5s} '.format(name) + '  '.join('{} {:.1f}'.format(k, row[k]) for k in
+                                                        ('forward', 'backward', 'wait', 'optimizer', 'step')))
+            if row.get('schedule'):
+                print('        buckets in sending order: {}'.format(row['schedule']))
+
+
 def fmt(value, column):
+    if isinstance(value, float) and column.startswith('final'):
+        return '{:.4f}'.format(value)
+    if isinstance(value, float) and column.startswith(('seconds', 'epochs')):
+        return '{:.1f}'.format(value)
     if isinstance(value, float) and column in ('ratio_to_single', 'ratio_to_powersgd_hook'):
         return '{:.2f}'.format(value)
     if isinstance(value, float) and column in ('projected', 'wire_kb_per_step', 'projected_kb', 'projected_step_ms'):
@@ -190,7 +241,8 @@ def main(argv=None):
     steps = {m: max(2, int(round((QUICK_STEPS if args.quick else FULL_STEPS)[m] * args.steps_scale)))
              for m in args.models}
     config = dict(models=args.models, contenders=args.contender_names, steps=steps, repeats=args.repeats,
-                  all_reduce_calls=3 if args.quick else 10, phase_steps=3 if args.quick else 20)
+                  all_reduce_calls=3 if args.quick else 10, phase_steps=3 if args.quick else 20, phases=args.phases,
+                  accuracy=args.accuracy and args.accuracy.split(','), seeds=list(range(args.seeds)))
     os.makedirs(args.out, exist_ok=True)
     command = 'python benchmarks/multihost.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
     print('multi-host benchmark: {} namespace hosts, 1 rank x 1 thread and batch {} each, links {}; RANDOM data; '
@@ -206,6 +258,12 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as scratch:
             for link in args.links:
                 raw = run_link(hosts, link, config, args, scratch)
+                if args.phases:
+                    print_phases(link, raw[0]['phases'])
+                    continue
+                if args.accuracy:
+                    rows += summarize_accuracy(link, raw[0]['runs'])
+                    break
                 link_rows = summarize_link(link, raw, config, args.hosts)
                 rows += link_rows
                 print('\nlink {} ({:.0f} s so far):'.format(link, time.monotonic() - started))
@@ -213,6 +271,13 @@ def main(argv=None):
     finally:
         hosts.__exit__(None, None, None)
     load = os.getloadavg()
+    if args.phases:
+        return 0
+    if args.accuracy:
+        write_csv(os.path.join(args.out, 'accuracy.csv'), rows, ACCURACY)
+        with open(os.path.join(args.out, 'accuracy_command.txt'), 'w') as f:
+            f.write('{}\n# load average at the end {:.1f} {:.1f} {:.1f}\n'.format(command, *load))
+        return 0
     for row in rows:
         row.update(note='{}; {} hosts; load average at the end {:.1f}'.format(row.get('note', ''), args.hosts, load[0]))
     write_csv(os.path.join(args.out, 'multihost.csv'), rows, CSV)
