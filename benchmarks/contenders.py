@@ -128,8 +128,8 @@ CONTENDERS = {
     'ddp': dict(ranks=0, ddp=True, note='DistributedDataParallel (25 MB buckets, 1 MB first) in a Trial'),
     'ddp-fp16-hook': dict(ranks=0, ddp=True, hook='fp16', note="DDP with torch's fp16_compress_hook"),
     'ddp-powersgd-hook': dict(ranks=0, ddp=True, hook='powersgd',
-                              note="DDP with torch's powerSGD_hook, rank {}, compressing from step {}, one bucket".format(
-                                  POWERSGD_RANK, POWERSGD_START + 1)),
+                              note="DDP with torch's powerSGD_hook, rank {}, compressing from step {}, "
+                                   "one bucket".format(POWERSGD_RANK, POWERSGD_START + 1)),
     'per-param-recipe': dict(ranks=0, callbacks=lambda: [BroadcastParameters(), PerParameterAllReduce()],
                              note="torchbearer note's per-parameter all_reduce in on_backward"),
     'ours': dict(ranks=0, callbacks=lambda: [BroadcastParameters(), AllReduceGradients()],
