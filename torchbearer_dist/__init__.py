@@ -18,6 +18,7 @@ from torchbearer_dist.faults import PeerFailedError
 from torchbearer_dist.launcher import launch
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
+from torchbearer_dist.powersgd import PowerSGD
 from torchbearer_dist.rendezvous import destroy_process_group, init_process_group, process_group
 
 __version__ = '0.1.0'
@@ -29,7 +30,7 @@ def is_main_process():
 
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
-           'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly',
+           'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'PowerSGD', 'RankZeroOnly',
            'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group',
            'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
            'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
