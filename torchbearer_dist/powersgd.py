@@ -204,9 +204,14 @@ class PowerSGD:
         for view in self._dense_views:
             view.div_(world_size)
         self._set_grads(self._dense_views, self.dense, used)
-        approx = [p @ q.t() for p, q in zip(self._ps, self._qs)]
-        if self._errors is not None:
-            for error, work, low in zip(self._errors, self._work, approx):
-                torch.sub(work, low, out=error)
-        self._set_grads(approx, [index for index, _, _, _ in self.matrices], used)
+        for k, (index, n, m, _) in enumerate(self.matrices):
+            param = self.params[index]
+            if param.grad is None or not param.grad.is_contiguous():
+                param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
+            low = param.grad.view(n, m)
+            torch.matmul(self._ps[k], self._qs[k].t(), out=low)  # the approximation, straight into .grad
+            if self._errors is not None:  # the error: (gradient + old error) - approximation
+                torch.sub(self._work[k], low, out=self._errors[k])
+            if not used[index]:
+                param.grad = None
         return self.flat[-1].item() > 0
