@@ -82,8 +82,15 @@ def _scenario_broadcast(method):
         model[1].running_var.fill_(_rank() + 2.0)
         model[1].num_batches_tracked.fill_(_rank() + 7)
     before = _snapshot(model)
-    Trial(model, callbacks=[BroadcastParameters(method=method)])
-    return {'before': before, 'after': _snapshot(model)}
+    trial = Trial(model, callbacks=[BroadcastParameters(method=method)])
+    built = _snapshot(model)  # nothing moves when the Trial is built: init callbacks may still follow
+    _start(trial)
+    return {'before': before, 'built': built, 'after': _snapshot(model)}
+
+
+def _start(trial):
+    """Run one epoch of no steps: the callbacks' on_start and on_start_epoch, no training."""
+    trial.for_train_steps(0).run(1, verbose=0)
 
 
 def _scenario_mismatch():
@@ -91,7 +98,7 @@ def _scenario_mismatch():
     with pytest.raises(RuntimeError, match=r"the model differs across ranks at state_dict entry 0: rank 0 has "
                                            r"'weight' \(1, 10\) float32, rank 1 has 'weight' \(1, 11\) float32"):
         try:
-            Trial(nn.Linear(10 + _rank(), 1), callbacks=[BroadcastParameters()])
+            _start(Trial(nn.Linear(10 + _rank(), 1), callbacks=[BroadcastParameters()]))
         except RuntimeError as error:
             messages.append(str(error))
             raise
@@ -99,7 +106,7 @@ def _scenario_mismatch():
     with pytest.raises(RuntimeError, match=r"entry 2: rank 0 has '1.weight' \(2, 3\) float32, "
                                            r"rank 1 has '1.weight' \(3, 3\) float32"):
         try:
-            Trial(model, callbacks=[BroadcastParameters(method='p2p')])
+            _start(Trial(model, callbacks=[BroadcastParameters(method='p2p')]))
         except RuntimeError as error:
             messages.append(str(error))
             raise
@@ -137,6 +144,7 @@ def _scenario_unused_and_frozen():
     loader = _loader(8, outputs=2, batch_size=8)
     reduce, record = AllReduceGradients(), _Record()
     trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[BroadcastParameters(), reduce, record], verbose=0)
+    torchbearer_dist.comm.broadcast_state(model)  # as the Trial will at its first epoch
     frozen_before = _snapshot(model.frozen)
     local = _local_grads(model, loader)
     trial.with_train_generator(loader).run(1)
@@ -279,6 +287,74 @@ def _scenario_check_replicas():
     return {'steps': record.steps}
 
 
+class _RaiseAt(Callback):
+    """Raises on every rank after a given training step."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_step_training(self, state):
+        if state[torchbearer.BATCH] == self.batch:
+            raise ValueError('planned failure at batch {}'.format(self.batch))
+
+
+class _FailingForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError('planned failure in forward')
+        return self.linear(x)
+
+
+def _plain_backward_stays_local(model):
+    """Rank 1 alone runs a backward: with live hooks it would start an all-reduce that no peer answers."""
+    if _rank() == 1:
+        model.zero_grad()
+        x, y = next(iter(_loader(4)))
+        nn.functional.mse_loss(model(x), y).backward()
+        expected = _local_grads(model, _loader(4))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                assert torch.equal(p.grad, expected[name]), name
+    dist.barrier()
+
+
+def _scenario_reuse():
+    """One set of callbacks over several Trials in sequence, a run that raised, and a change of frozen layers."""
+    callbacks = distributed_callbacks()
+    out = {}
+    for fold in range(2):  # k-fold: a new model and Trial per fold, the same callback objects
+        torch.manual_seed(80 + fold + _rank())
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+        trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[*callbacks, _RaiseAt(2) if fold else Callback()],
+                      verbose=0)
+        if fold:
+            with pytest.raises(ValueError, match='planned failure at batch 2'):
+                trial.with_train_generator(_loader(16)).run(1)
+            _plain_backward_stays_local(model)
+            model[0].requires_grad_(False)  # the set of trained parameters changes between runs
+            trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=callbacks, verbose=0)
+        trial.with_train_generator(_loader(16)).run(2)
+        out[fold] = _snapshot(model)
+    _plain_backward_stays_local(model)  # after a run that ended normally
+    # A run that raised inside forward, between the start of a step and its backward.
+    torch.manual_seed(90)
+    model = _FailingForward()
+    trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=callbacks, verbose=0)
+    try:
+        trial.with_train_generator(_loader(16)).run(1)
+    except Exception as error:  # torchbearer re-raises a forward's error wrapped in an Exception
+        assert 'planned failure in forward' in str(error)
+    _plain_backward_stays_local(model.linear)
+    return out
+
+
 SCENARIOS = {
     'broadcast': lambda: _scenario_broadcast('broadcast'),
     'p2p': lambda: _scenario_broadcast('p2p'),
@@ -291,6 +367,7 @@ SCENARIOS = {
     'uneven_min': _scenario_uneven_min,
     'uneven_error': _scenario_uneven_error,
     'check_replicas': _scenario_check_replicas,
+    'reuse': _scenario_reuse,
 }
 
 
@@ -316,6 +393,7 @@ def test_broadcast_makes_replicas_identical_buffers_included(scenarios, method):
     rank0, rank1 = scenario_values(scenarios, method)
     assert not torch.equal(rank0['before']['0.weight'], rank1['before']['0.weight'])
     assert rank1['before']['1.num_batches_tracked'].item() == 8
+    _assert_equal(rank1['built'], rank1['before'])
     _assert_equal(rank0['after'], rank0['before'])  # copied from rank 0, never averaged
     _assert_equal(rank1['after'], rank0['before'])
     assert rank1['after']['1.num_batches_tracked'].item() == 7
@@ -414,6 +492,13 @@ def test_uneven_batches_with_error_policy_raise_before_step_one(scenarios):
 def test_check_replicas_names_a_parameter_changed_on_one_rank(scenarios):
     rank0, rank1 = scenario_values(scenarios, 'check_replicas')
     assert rank0['steps'] == rank1['steps'] == {0: 4}  # changed after step 3, found at the check after step 4
+
+
+@pytest.mark.slow
+def test_callbacks_serve_several_trials_a_failed_run_and_new_frozen_layers(scenarios):
+    rank0, rank1 = scenario_values(scenarios, 'reuse')
+    for fold in (0, 1):
+        _assert_equal(rank0[fold], rank1[fold])
 
 
 class _ShapeCheck(nn.Module):

@@ -13,6 +13,7 @@ import torchbearer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchbearer.callbacks import GradientNormClipping
 
 import torchbearer_dist
 
@@ -78,7 +79,10 @@ def _snapshot(model):
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _reference(kind, accumulate=1):
+CLIP = 0.05  # small enough to clip every step
+
+
+def _reference(kind, accumulate=1, clip=False):
     """One process, batch 2B, the same samples in the same order: the result 2 ranks must reproduce."""
     x, y = _data()
     model = _model(kind, SEED)
@@ -87,6 +91,8 @@ def _reference(kind, accumulate=1):
     for _ in range(EPOCHS):
         for xb, yb in DataLoader(TensorDataset(x, y), batch_size=2 * B):
             nn.functional.cross_entropy(model(xb), yb).backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             calls += 1
             if calls % accumulate == 0:
                 optimizer.step()
@@ -101,17 +107,30 @@ def _train_trial(kind, options):
     dataset = TensorDataset(*_data())
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=False))
     options = dict(options)
+    clip, closure = options.pop('clip', False), options.pop('closure', False)
     accumulate = options.get('sync_every', 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     if accumulate > 1:
         optimizer = _Accumulate(optimizer, accumulate)
     callbacks = torchbearer_dist.distributed_callbacks(**options)
+    if clip:  # before ours: it must clip the averaged gradient
+        callbacks.insert(0, GradientNormClipping(CLIP, params=list(model.parameters())))
     trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], callbacks=callbacks,
                               verbose=0)
+    if closure:
+        trial.with_closure(_plain_closure)
     trial.with_train_generator(loader)
     trial.run(EPOCHS)
     buckets = callbacks[-1].buckets
     return {'state': _snapshot(model), 'buckets': len(buckets.buckets)}
+
+
+def _plain_closure(state):
+    """A custom closure that calls no callback at all: the gradients must still be averaged."""
+    state[torchbearer.OPTIMIZER].zero_grad()
+    loss = nn.functional.cross_entropy(state[torchbearer.MODEL](state[torchbearer.X]), state[torchbearer.Y_TRUE])
+    state[torchbearer.Y_PRED], state[torchbearer.LOSS] = None, loss
+    loss.backward()
 
 
 def _train_ddp(kind):
@@ -139,6 +158,10 @@ CONFIGS = {
     'many_buckets': ('trial', 'mlp', {'bucket_cap_mb': 1e-5, 'first_bucket_mb': 1e-5}),
     'one_bucket': ('trial', 'mlp', {'bucket_cap_mb': 25.0, 'first_bucket_mb': 25.0}),
     'sync_every': ('trial', 'mlp', {'sync_every': 2}),
+    'clip_first': ('trial', 'mlp', {'clip': True}),
+    'clip_first_overlap': ('trial', 'mlp', {'clip': True, 'overlap': True}),
+    'closure': ('trial', 'mlp', {'closure': True}),
+    'closure_overlap': ('trial', 'mlp', {'closure': True, 'overlap': True}),
     'ddp': ('ddp', 'mlp', None),
     'ddp_bn': ('ddp', 'bn', None),
 }
@@ -238,6 +261,24 @@ def test_sync_every_accumulates_locally_then_averages(trained):
     rank0, rank1 = scenario_values(trained, 'sync_every')
     _assert_equal(rank0['state'], rank1['state'])
     _assert_close(rank0['state'], _reference('mlp', accumulate=2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config', ['clip_first', 'clip_first_overlap'])
+def test_clipping_placed_before_ours_clips_the_averaged_gradient(trained, config):
+    rank0, rank1 = scenario_values(trained, config)
+    _assert_equal(rank0['state'], rank1['state'])
+    reference = _reference('mlp', clip=True)
+    _assert_close(rank0['state'], reference, rtol=1e-5, atol=1e-6)
+    assert (rank0['state']['0.weight'] - _reference('mlp')['0.weight']).abs().max() > 1e-3  # clipping mattered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config', ['closure', 'closure_overlap'])
+def test_custom_closure_without_callbacks_is_averaged(trained, config):
+    rank0, rank1 = scenario_values(trained, config)
+    _assert_equal(rank0['state'], rank1['state'])
+    _assert_close(rank0['state'], _reference('mlp'), rtol=1e-5, atol=1e-6)
 
 
 def test_world_of_one_with_callbacks_equals_the_reference():

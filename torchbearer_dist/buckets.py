@@ -2,108 +2,71 @@
 
 Parameters are packed, in reverse registration order (roughly the order backward produces their
 gradients), into flat buckets of at most ``bucket_cap_mb``. Gradients are copied into their bucket
-and ``param.grad`` becomes a view of it, so there is no copy beyond the buckets and the optimizer
-reads the averaged values in place.
+and ``param.grad`` becomes a view of it, so the optimizer reads the averaged values in place.
 
-Two ways to fill the buckets:
+**The average is complete when backward returns.** As in DDP's reducer, a hook that fires during
+backward queues an autograd end-of-backward callback; that callback (:meth:`GradientBuckets.reduce`,
+the one place where buckets are reduced) sends what is left, waits for every bucket and averages,
+before ``backward()`` returns. Every ``on_backward`` callback, wherever it sits in the Trial's list,
+custom closures and ``Trial.with_closure`` included, then sees averaged gradients, and nothing can
+touch a gradient while its all-reduce is in flight.
 
-- *Overlapped*: an autograd post-accumulate-grad hook on each parameter copies its gradient in;
-  once every gradient of a bucket is in, the bucket's all-reduce starts asynchronously while
-  backward goes on computing the rest, as in DDP.
-- *After backward*: :meth:`GradientBuckets.finish` fills every bucket with one fused copy per bucket
-  (``torch._foreach_copy_``) and starts them all. No Python runs per parameter during backward.
+Two ways to notice backward and fill the buckets:
 
-A hook costs a few microseconds of Python per parameter, and a bucket can only overlap backward if
-another bucket comes after it, so ``overlap='auto'`` (the default) uses hooks only when the
-parameters span more than one bucket. :meth:`GradientBuckets.finish` waits for every bucket and
-averages.
+- *Overlapped*: a post-accumulate-grad hook on each parameter copies its gradient in; once every
+  gradient of a bucket is in, the bucket's all-reduce starts while backward computes the rest.
+- *After backward*: one tensor hook on the model's output (the place of DDP's ``_DDPSink``) queues
+  the end-of-backward callback, which fills every bucket with one fused copy per bucket. No Python
+  runs per parameter. Parameters outside the model (learnable loss terms) get a post-accumulate hook.
 
-Buckets start strictly in index order on every rank, so ranks always issue the same collectives in
-the same order even when gradients arrive in a different order. Each bucket also carries one
-presence flag per parameter: a gradient that is None on this rank is zero-filled, and a parameter
-that no rank used keeps ``grad = None``, as it would without distribution. The last bucket carries
-one more slot, a stop flag, so that a stop requested on any rank reaches all of them without an
-extra collective.
+``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
+
+The hooks act only while *armed* (between the start of a training step and its end), so a backward
+outside a Trial's training step never starts a collective. Buckets start strictly in index order on
+every rank. Each bucket carries one presence flag per parameter: a gradient that is None on this
+rank is zero-filled, and a parameter that no rank used keeps ``grad = None``. The last bucket carries
+a stop flag, so a stop requested on any rank reaches all of them without an extra collective.
+Sparse gradients travel densified and come back sparse; complex parameters travel as real pairs.
 """
 import math
 
 import torch
 import torch.distributed as dist
 
+from torchbearer_dist.flat_buckets import check_supported, pack
+
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
-class _Bucket:
-    __slots__ = ('params', 'numel', 'flat', 'grads', 'flags', 'views', 'present', 'pending', 'sent', 'missing',
-                 'work', 'wire', 'last')
+def _queue_at_backward_end(callback):
+    # torch has no public way to run code when a backward pass ends but before it returns. DDP's
+    # reducer (C++), torch's Python DDP (_DDPSink) and FSDP all use the engine's queue_callback: this
+    # is the package's one use of it.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
-    def __init__(self, params, last):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        first = params[0]
-        self.last = last
-        self.flat = torch.zeros(self.numel + len(params) + (1 if last else 0), dtype=first.dtype,
-                                device=first.device)
-        self.grads = self.flat[:self.numel]
-        self.flags = self.flat[self.numel:self.numel + len(params)]
-        self.views = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.present = [False] * len(params)
-        self.reset()
 
-    def reset(self):
-        self.present[:] = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.sent = self.missing = False
-        self.work = self.wire = None
-
-    def fill(self):
-        """Copy in every gradient not yet in, with one fused copy; zero-fill the missing ones.
-
-        Returns:
-            bool: whether a gradient was missing (None) on this rank
-        """
-        if self.pending == len(self.params):
-            grads = [p.grad for p in self.params]
-            if not any(grad is None for grad in grads):  # the common case: no Python per parameter
-                torch._foreach_copy_(self.views, grads)  # copying a view onto itself is a no-op
-                self.pending = 0
-                return False
-        missing = False
-        sources, targets = [], []
-        for position, p in enumerate(self.params):
-            if self.present[position]:
-                continue
-            grad = p.grad
-            view = self.views[position]
-            if grad is None:
-                view.zero_()
-                missing = True
-                continue
-            self.present[position] = True
-            if grad is not view:
-                sources.append(grad)
-                targets.append(view)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        self.pending = 0
-        return missing
+def _output_tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _output_tensors(item)]
+    return []
 
 
 class GradientBuckets:
-    """Flat gradient buckets for a list of parameters, all-reduced during or right after backward.
+    """Flat gradient buckets for a list of parameters, averaged over ranks before backward returns.
 
     Example:
 
         .. code-block:: python
 
             buckets = GradientBuckets(list(model.parameters()))
-            buckets.attach()
-            loss.backward()     # with overlap, all-reduces start during backward
-            buckets.finish()    # send the rest, wait: every p.grad holds the average over ranks
+            buckets.attach(model)
+            buckets.arm()        # a training step starts: its backward passes synchronize
+            loss.backward()      # when it returns, every p.grad holds the average over ranks
+            buckets.disarm()     # the step is over: backward passes stay local
             buckets.detach()
 
     Args:
@@ -114,14 +77,18 @@ class GradientBuckets:
         compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in;
             they are averaged back in their own dtype
         overlap (bool or str): ``True`` starts each bucket from autograd hooks during backward,
-            ``False`` fills and starts every bucket in :meth:`finish`, ``'auto'`` overlaps only
+            ``False`` fills and starts every bucket at the end of backward, ``'auto'`` overlaps only
             when the parameters span more than one bucket
+        sync_every (int): synchronize only every k-th armed backward; the others stay local
 
     Raises:
         ValueError: a bad capacity, compression or overlap
+
+    .. warning:: Every armed backward that synchronizes is a synchronization point.
     """
 
-    def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto'):
+    def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto',
+                 sync_every=1):
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
             raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
         if compression not in _COMPRESSION:
@@ -131,66 +98,119 @@ class GradientBuckets:
         self.compression = _COMPRESSION[compression]
         self.world_size = dist.get_world_size()
         self.params = list(params)
-        self.buckets = self._pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
+        check_supported(('#{}'.format(i), p) for i, p in enumerate(self.params))
+        self.buckets = pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
         self.overlap = len(self.buckets) > 1 if overlap == 'auto' else overlap
+        self.sync_every = sync_every
         self._hooks = []
         self._next = 0
         self._stop = 0.0
-        self.enabled = True
+        self._armed = self._in_backward = self._syncing = False
+        self.backwards = 0  # armed backward passes, local ones included
+        self.began = 0  # backward passes noticed in the current step
+        self.synced = False  # a backward of the current step synchronized
+        self.stop = False  # after a synchronizing backward: some rank asked to stop
+        self.nonfinite = False  # after a synchronizing backward: the average held NaN or Inf (grads cleared)
 
-    def _pack(self, params, cap_mb, first_mb):
-        buckets, current, size = [], [], 0
-        cap = first_mb * 2 ** 20 if first_mb else cap_mb * 2 ** 20
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > cap or p.dtype != current[0].dtype or p.device != current[0].device):
-                buckets.append(current)
-                current, size, cap = [], 0, cap_mb * 2 ** 20
-            current.append(p)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return [_Bucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+    def same_params(self, params):
+        """Whether ``params`` are exactly these parameters, compared by identity, in the same order."""
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
 
-    def attach(self):
-        """With overlap, register the autograd hooks that start all-reduces during backward."""
-        if self.overlap and not self._hooks:
+    def attach(self, module=None):
+        """Register the hooks that notice backward: per parameter with overlap, else on ``module``'s output."""
+        if self._hooks:
+            return
+        if self.overlap:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, position)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._overlap_hook(bucket, position)))
+            return
+        inside = set() if module is None else {id(p) for p in module.parameters()}
+        if module is not None:
+            self._hooks.append(module.register_forward_hook(self._on_forward))
+        for p in self.params:
+            if id(p) not in inside:  # reached without the model's output, e.g. a learnable loss term
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._notice))
 
     def detach(self):
-        """Remove the hooks; gradients then stay local until :meth:`finish` is called."""
+        """Remove every hook; backward passes then stay local."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.disarm()
+
+    def arm(self):
+        """A training step starts: its backward passes synchronize (every ``sync_every``-th of them)."""
+        if self._next or any(bucket.sent for bucket in self.buckets):  # a backward that raised midway
+            for bucket in self.buckets:
+                bucket.reset()
+            self._next = 0
+        self._armed = True
+        self._in_backward = self.synced = False
+        self.began = 0
+
+    def disarm(self):
+        """The step is over: later backward passes stay local and start no collective."""
+        self._armed = self._in_backward = False
 
     def request_stop(self):
-        """Ask every rank to stop; :meth:`finish` of this step returns True on all of them."""
+        """Ask every rank to stop: :attr:`stop` is True on all of them after the next synchronization."""
         self._stop = 1.0
 
-    def _hook(self, bucket, position):
-        view = bucket.views[position]
-        present = bucket.present
+    def _on_forward(self, module, inputs, output):
+        if self._armed and torch.is_grad_enabled():
+            for tensor in _output_tensors(output):
+                tensor.register_hook(self._notice)
 
+    def _notice(self, *_):
+        if self._armed and not self._in_backward:
+            self._begin()
+
+    def _begin(self):
+        """The first hook of a backward pass: decide whether it synchronizes, queue its end."""
+        self._in_backward = True
+        self.began += 1
+        self.backwards += 1
+        self._syncing = self.backwards % self.sync_every == 0
+        if self.synced:
+            raise RuntimeError('a second backward pass in one training step after its gradients were averaged; call '
+                               'backward once per step, or pass sync_every=k to average only every k-th backward')
+        _queue_at_backward_end(self._end_sync if self._syncing else self._end_local)
+
+    def _end_local(self):
+        self._in_backward = False
+
+    def _end_sync(self):
+        self._in_backward = False
+        self.synced = True
+        self.reduce()
+
+    def _overlap_hook(self, bucket, position):
         def on_grad(param):
-            if not self.enabled:
+            if not self._in_backward:
+                if not self._armed:
+                    return
+                self._begin()
+            if not self._syncing:
                 return
             if bucket.sent:
-                raise RuntimeError('a gradient was produced again after its bucket was sent in this step; call '
-                                   'backward once per step, or sync only every k-th backward (sync_every=k)')
-            grad = param.grad
-            if grad is not view:
-                view.copy_(grad)
-                param.grad = view
-            if not present[position]:
-                present[position] = True
+                raise RuntimeError('a gradient was produced again after its bucket was sent in this backward pass')
+            bucket.put(position, param.grad)
+            if not bucket.present[position]:
+                bucket.present[position] = True
                 bucket.pending -= 1
                 if bucket.pending == 0:
-                    self._launch_ready()
+                    self._start_ready()
         return on_grad
 
-    def _launch(self, bucket, missing=False):
+    def _start_ready(self):
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self._start(buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket, missing=False):
+        """Start one bucket's all-reduce (the seam for another reducer, with :meth:`_wait`)."""
         bucket.missing = missing
         if missing:
             bucket.flags.copy_(torch.tensor(bucket.present, dtype=bucket.flat.dtype))
@@ -206,47 +226,42 @@ class GradientBuckets:
         bucket.sent = True
         bucket.work = dist.all_reduce(bucket.wire, async_op=True)
 
-    def _launch_ready(self):
-        buckets = self.buckets
-        while self._next < len(buckets) and buckets[self._next].pending == 0:
-            self._launch(buckets[self._next])
-            self._next += 1
+    def _wait(self, bucket):
+        """Wait for one bucket's all-reduce and leave the average in ``bucket.flat``."""
+        bucket.work.wait()
+        if bucket.wire is not bucket.flat:
+            bucket.flat.copy_(bucket.wire)
+        else:
+            bucket.grads.div_(self.world_size)
 
-    def finish(self):
-        """Send what backward left unsent, wait for every bucket and average.
+    def reduce(self):
+        """Send what backward left unsent, wait for every bucket and average: the one place buckets are reduced.
 
-        Returns:
-            bool: True when any rank asked to stop in this step
+        Runs at the end of every synchronizing backward. Afterwards every ``p.grad`` holds the average,
+        :attr:`stop` says whether any rank asked to stop, and :attr:`nonfinite` whether the average
+        held NaN or Inf, in which case every gradient is set to None on every rank alike.
 
-        .. warning:: A synchronization point: every rank must call it once per step.
+        .. warning:: A synchronization point: every rank must reduce once per synchronizing step.
         """
         buckets = self.buckets
         for bucket in buckets[self._next:]:
-            self._launch(bucket, bucket.fill())
-        stop = False
+            self._start(bucket, bucket.fill())
+        self.stop = False
         for bucket in buckets:
-            bucket.work.wait()
-            if bucket.wire is not bucket.flat:
-                bucket.flat.copy_(bucket.wire)
-            else:
-                bucket.grads.div_(self.world_size)
-            views = bucket.views
-            if not bucket.missing or bucket.flags.min().item() > 0:  # every parameter was used on some rank
-                for p, view in zip(bucket.params, views):
-                    if p.grad is not view:
-                        p.grad = view
-            else:
-                for position, used in enumerate(bucket.flags.tolist()):
-                    bucket.params[position].grad = views[position] if used else None
+            self._wait(bucket)
+            bucket.unpack()
             if bucket.last:
-                stop = bucket.flat[-1].item() > 0
+                self.stop = bucket.flat[-1].item() > 0
             bucket.reset()
         self._next = 0
         self._stop = 0.0
-        return stop
+        self.nonfinite = not self.all_finite()
+        if self.nonfinite:
+            for p in self.params:
+                p.grad = None
 
     def all_finite(self):
-        """Whether every averaged gradient is finite; identical on all ranks after :meth:`finish`.
+        """Whether every averaged gradient is finite; identical on all ranks after :meth:`reduce`.
 
         A sum is finite whenever every value is, unless it overflows: one fast sum per bucket, and
         the exact elementwise check (ten times slower) only for a bucket whose sum is not finite.
@@ -256,7 +271,6 @@ class GradientBuckets:
                 return False
         return True
 
-    def clear(self):
-        """Drop this step's gradients (``grad = None``) so the optimizer skips them."""
-        for p in self.params:
-            p.grad = None
+    def missed(self):
+        """Whether this step computed gradients that no hook noticed, so they were never averaged."""
+        return self._armed and not self.began and any(p.grad is not None for p in self.params)

@@ -4,6 +4,7 @@ Each works with no arguments once the process group is up, and does nothing in a
 process, so the same Trial runs unchanged with and without distribution.
 """
 import warnings
+import weakref
 
 import torch
 import torchbearer
@@ -13,19 +14,24 @@ from torchbearer import Callback
 from torchbearer_dist import comm
 from torchbearer_dist.buckets import GradientBuckets
 from torchbearer_dist.consistency import EvenBatches
+from torchbearer_dist.flat_buckets import check_supported
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOutput
+from torchbearer_dist.stop import AgreeOnStop
 
 #: State key: how many steps were skipped because the averaged gradients were not finite.
 SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
 
 
 class BroadcastParameters(Callback):
-    """Copy rank 0's parameters and buffers to every rank when the Trial is created.
+    """Copy rank 0's parameters and buffers to every rank before the first epoch of a Trial.
 
-    First checks, with one small exchange of a fingerprint, that every rank holds the same
-    parameter and buffer names, shapes and dtypes; on a mismatch every rank raises, naming the first
-    entry that differs. Values are copied, never averaged.
+    It acts at the start of the first epoch that a Trial runs, evaluates or predicts, after every
+    callback's ``on_init`` and ``on_start`` (weight initialisation, a loaded checkpoint), and also when
+    the process group came up after the Trial was built. It first checks, with one small exchange
+    of a fingerprint, that every rank holds the same parameter and buffer names, shapes and dtypes;
+    on a mismatch every rank raises, naming the first entry that differs. Values are copied, never
+    averaged. A new Trial, or a new model in the Trial, is broadcast again.
 
     Example: ::
 
@@ -42,9 +48,10 @@ class BroadcastParameters(Callback):
         ValueError: an unknown ``method``
 
     State Requirements:
-        - :attr:`torchbearer.state.MODEL`: the model to synchronize, set on Trial init
+        - :attr:`torchbearer.state.MODEL`: the model to synchronize
+        - :attr:`torchbearer.state.SELF`: the Trial, to broadcast once per Trial and model
 
-    .. warning:: A synchronization point: every rank must create its Trial.
+    .. warning:: A synchronization point: every rank must run its Trial.
     """
 
     def __init__(self, method='broadcast', src=0):
@@ -53,86 +60,60 @@ class BroadcastParameters(Callback):
             raise ValueError("method should be 'broadcast' or 'p2p', but given {!r}".format(method))
         self.method = method
         self.src = src
+        self._done = None  # weak references to the Trial and model last broadcast
 
-    def on_init(self, state):
+    def on_start_epoch(self, state):
         model = state[torchbearer.MODEL]
         if not isinstance(model, torch.nn.Module) or comm.world_size() == 1:
             return
+        trial = state.get(torchbearer.SELF)
+        if self._done is not None and self._done[0]() is trial and self._done[1]() is model:
+            return
         comm.check_same_model(model, self.src)
         comm.broadcast_state(model, self.src, self.method)
+        self._done = (weakref.ref(trial) if trial is not None else lambda: None, weakref.ref(model))
 
 
-class AgreeOnStop(Callback):
-    """Make every rank stop at the same step when a callback on any rank stops training.
-
-    A callback such as TerminateOnNaN sees only its own rank's loss; if it stopped that rank alone,
-    the others would wait for it in their next collective. A stop set in ``on_step_training`` is
-    held back and shared with every rank, which all stop after the next step; a stop set at the end
-    of an epoch is agreed by one all-reduce. :class:`AllReduceGradients` does this itself, carrying
-    the request in its gradient buckets at no cost; use this one with a DistributedDataParallel model.
-    Place it after the callbacks that stop training.
-
-    Example: ::
-
-        >>> from torchbearer.callbacks import TerminateOnNaN
-        >>> from torchbearer_dist import AgreeOnStop
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[TerminateOnNaN(), AgreeOnStop()])
-
-    State Requirements:
-        - :attr:`torchbearer.state.STOP_TRAINING`: read and set
-
-    .. warning:: A synchronization point at each step (without gradient buckets) and each epoch end.
-    """
-
-    buckets = None
-
-    def __init__(self):
-        super().__init__()
-        self._stop_requested = False
-        self._stop_agreed = False
-
-    def on_step_training(self, state):
-        if comm.world_size() == 1:
-            return
-        if state[torchbearer.STOP_TRAINING] and not self._stop_agreed:
-            # Hold the stop until every rank knows: it travels with the next step's gradients.
-            state[torchbearer.STOP_TRAINING] = False
-            self._stop_requested = True
-            if self.buckets is not None:
-                self.buckets.request_stop()
-        if self.buckets is None and comm.any_rank(self._stop_requested):
-            self._stop_requested = False
-            state[torchbearer.STOP_TRAINING] = True
-
-    def on_end_training(self, state):
-        self._agree_on_stop(state, self._stop_requested)
-
-    def on_checkpoint(self, state):
-        self._agree_on_stop(state, state[torchbearer.STOP_TRAINING])
-
-    def _agree_on_stop(self, state, flag):
-        if comm.world_size() == 1:
-            return
-        if comm.any_rank(flag or state[torchbearer.STOP_TRAINING]):
-            state[torchbearer.STOP_TRAINING] = True
-        self._stop_requested = self._stop_agreed = False
+def _trainable(state):
+    """``(name, parameter)`` of every parameter that needs a gradient: the model's, then the optimizer's others."""
+    named, seen = [], set()
+    for name, p in state[torchbearer.MODEL].named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            named.append((name, p))
+    optimizer = state.get(torchbearer.OPTIMIZER)
+    groups = getattr(optimizer, 'param_groups', None) or getattr(getattr(optimizer, 'optimizer', None),
+                                                                 'param_groups', None) or []
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group['params']):
+            if p.requires_grad and id(p) not in seen:  # e.g. a learnable term of the loss
+                seen.add(id(p))
+                named.append(('optimizer param_groups[{}] #{}'.format(g, i), p))
+    return named
 
 
 class AllReduceGradients(AgreeOnStop):
-    """Average every gradient over all ranks after each backward pass.
+    """Average every gradient over all ranks, complete when backward returns.
 
-    Gradients are fused into flat buckets whose all-reduce starts during backward, as soon as each
-    bucket is full (see :class:`~torchbearer_dist.buckets.GradientBuckets`). A gradient that is None
-    on this rank is zero-filled so that every rank issues the same collectives; frozen parameters are
-    left alone. The averaged gradients are checked for NaN and Inf on every rank alike.
+    Gradients are fused into flat buckets (see :class:`~torchbearer_dist.buckets.GradientBuckets`)
+    whose average is complete before ``backward()`` returns, so every ``on_backward`` callback,
+    wherever it sits in the list (GradientNormClipping, gradient logging), sees averaged gradients,
+    with the standard closure, a custom closure or ``Trial.with_closure``. Parameters of the optimizer
+    that are not in the model (a learnable loss term) are averaged too. A gradient that is None on
+    this rank is zero-filled so that every rank issues the same collectives; frozen parameters are
+    left alone. Sparse gradients are averaged (as dense, handed back sparse); complex parameters
+    too. The averaged gradients are checked for NaN and Inf on every rank alike.
+
+    Collectives run only inside the Trial's training steps: a backward outside them (after a run,
+    or after a run that raised) stays local.
 
     It also makes every rank stop at the same step when a callback on any rank sets
     ``state[torchbearer.STOP_TRAINING]`` (TerminateOnNaN, EarlyStopping): the request travels with
-    the next step's gradients, at no extra cost. Place this callback after callbacks that stop training.
+    the next step's gradients, at no extra cost (see :class:`AgreeOnStop`).
 
     At the end of each training pass it copies rank 0's buffers (BatchNorm running statistics), which
-    each rank updates from its own batches, to every rank, as DDP does before each forward: validation,
-    checkpoints and :class:`CheckReplicas` then see one model.
+    each rank updates from its own batches, to every rank: validation, checkpoints and
+    :class:`CheckReplicas` then see one model.
 
     Example: ::
 
@@ -152,15 +133,16 @@ class AllReduceGradients(AgreeOnStop):
         on_nonfinite (str): ``'skip'`` (every rank skips the optimizer step and counts it in
             :data:`SKIPPED_STEPS`) or ``'raise'`` (every rank stops with an error)
         overlap (bool or str): ``True`` starts each bucket's all-reduce from autograd hooks during
-            backward; ``False`` copies every gradient in with one fused copy per bucket after backward;
-            ``'auto'`` overlaps only when the gradients span more than one bucket (a single bucket
-            cannot overlap anything, and the hooks cost Python time per parameter)
+            backward; ``False`` copies every gradient in with one fused copy per bucket at the end of
+            backward; ``'auto'`` overlaps only when the gradients span more than one bucket (a single
+            bucket cannot overlap anything, and the hooks cost Python time per parameter)
 
     Raises:
-        ValueError: a bad option
+        ValueError: a bad option; at the start of a run, a parameter that cannot be averaged (named)
 
     State Requirements:
         - :attr:`torchbearer.state.MODEL`: the model whose gradients are averaged
+        - :attr:`torchbearer.state.OPTIMIZER`: its parameters outside the model are averaged too
 
     .. warning:: A synchronization point on every backward: every rank must run the same number of
         steps (see :class:`EvenBatches`).
@@ -175,19 +157,23 @@ class AllReduceGradients(AgreeOnStop):
             raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
         if not (isinstance(overlap, bool) or overlap == 'auto'):
             raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
-        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
-                            overlap=overlap)
         if compression not in (None, 'none', 'fp16', 'bf16'):
             raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
             raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
+        self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
+                            overlap=overlap, sync_every=sync_every)
         self.sync_every = sync_every
         self.on_nonfinite = on_nonfinite
         self.skipped = 0
-        self._backwards = 0
         self._ddp = False
+        self._run = 0
 
     def on_start(self, state):
+        super().on_start(state)
+        self._run += 1
+        if self.buckets is not None:
+            self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
         if comm.world_size() == 1:
             return
         model = state[torchbearer.MODEL]
@@ -196,48 +182,71 @@ class AllReduceGradients(AgreeOnStop):
                 warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
                               'AllReduceGradients leaves them alone (drop it to silence this warning)', stacklevel=2)
             self._ddp = True
+            self.buckets = None
             return
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.buckets is None or self.buckets.params != params:
-            if self.buckets is not None:
-                self.buckets.detach()
+        named = _trainable(state)
+        check_supported(named)
+        params = [p for _, p in named]
+        if self.buckets is None or not self.buckets.same_params(params):
             self.buckets = GradientBuckets(params, **self.options) if params else None
         if self.buckets is not None:
-            self.buckets.attach()
-            self.buckets.enabled = self.sync_every == 1
+            self.buckets.attach(model)
+            # torchbearer skips on_end when run() raises: the hooks also go when this run's state does.
+            weakref.finalize(state, self._expire, weakref.ref(self), self._run)
         state[SKIPPED_STEPS] = self.skipped
 
+    @staticmethod
+    def _expire(ref, run):
+        self = ref()
+        if self is not None and self._run == run and self.buckets is not None:
+            self.buckets.detach()
+
     def on_end(self, state):
+        super().on_end(state)
         if self.buckets is not None:
             self.buckets.detach()
 
+    def on_sample(self, state):
+        if self.buckets is not None:
+            self.buckets.arm()
+
     def on_end_training(self, state):
-        super().on_end_training(state)
+        if self.buckets is not None:
+            self.buckets.disarm()
         if comm.world_size() > 1 and not self._ddp:
             comm.broadcast_buffers(state[torchbearer.MODEL])
 
     def on_backward(self, state):
-        if self.buckets is None:
+        if self.buckets is not None:
+            self._check_step(state)
+
+    def _stopped_by_buckets(self):
+        return self.buckets is not None and self.buckets.synced and self.buckets.stop
+
+    def _after_step(self, state):
+        if self.buckets is not None:
+            self._check_step(state)
+            self.buckets.disarm()
+        super()._after_step(state)
+
+    def _check_step(self, state):
+        buckets = self.buckets
+        if buckets.missed():
+            raise RuntimeError('gradients were computed without passing through the output of state[MODEL], so they '
+                               'were not averaged; pass overlap=True to AllReduceGradients')
+        if not buckets.synced or not buckets.nonfinite:
             return
-        self._backwards += 1
-        if self._backwards % self.sync_every:
-            self.buckets.enabled = (self._backwards + 1) % self.sync_every == 0
-            return
-        self.buckets.enabled = self.sync_every == 1
-        if self.buckets.finish():
-            self._stop_requested, self._stop_agreed = False, True
-            state[torchbearer.STOP_TRAINING] = True
-        if not self.buckets.all_finite():
-            if self.on_nonfinite == 'raise':
-                raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
-                                   'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
-                                       state[torchbearer.EPOCH], state[torchbearer.BATCH]))
-            self.buckets.clear()
-            self.skipped += 1
-            state[SKIPPED_STEPS] = self.skipped
-            if self.skipped == 1 and comm.rank() == 0:
-                warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
-                              'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
+        if self.on_nonfinite == 'raise':
+            raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
+                               'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
+                                   state[torchbearer.EPOCH], state[torchbearer.BATCH]))
+        buckets.nonfinite = False  # counted once, whether on_backward runs or not
+        self.skipped += 1
+        state[SKIPPED_STEPS] = self.skipped
+        if self.skipped == 1 and comm.rank() == 0:
+            warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
+                          'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
+
 
 class FlattenImages(Callback):
     """Reshape each batch of inputs to ``(batch, -1)``, in training, validation and test alike.
@@ -299,8 +308,9 @@ class SetSamplerEpoch(Callback):
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
-    Put them after your own callbacks, so that a stop requested by one of yours reaches every rank
-    at the same step.
+    They work wherever they sit in the Trial's callback list, before or after your own callbacks:
+    gradients are averaged before any ``on_backward`` callback runs, and rank 0's weights are copied
+    after every callback's initialisation.
 
     Example: ::
 

@@ -15,6 +15,13 @@ class _Silent(Callback):
         super().__init__()
         self.silenced = callback
 
+    def state_dict(self):
+        return self.silenced.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.silenced.load_state_dict(state_dict)
+        return self
+
     def __str__(self):
         return 'silenced on this rank: {}'.format(self.silenced)
 
@@ -62,6 +69,27 @@ class RankZeroOutput(Callback):
     """
 
     def on_init(self, state):
+        self._silence(state)
+
+    def on_start(self, state):
+        # Also here: the process group may have come up after the Trial was built.
+        self._silence(state)
+        if comm.rank() == 0:
+            return
+        callbacks = state[torchbearer.CALLBACK_LIST]
+        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
+            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
+
+    @staticmethod
+    def _silence(state):
+        """Ranks > 0: turn off the Trial's printers and writers.
+
+        torchbearer's own switch, ``Trial.verbose = 0``, covers the default progress bar. For the rest
+        torchbearer has no switch, so this is the one place that edits the Trial: a printer that
+        ``run(verbose=...)``, ``evaluate`` or ``predict`` inject starts before any callback's
+        ``on_start``, so those three are made to pass ``verbose=0``, and the output callbacks in the
+        list are replaced by inert stand-ins that keep their ``state_dict``.
+        """
         if comm.rank() == 0:
             return
         trial = state[torchbearer.SELF]
@@ -69,15 +97,8 @@ class RankZeroOutput(Callback):
         for name in ('run', 'evaluate', 'predict'):
             method = getattr(trial, name, None)
             if method is not None and not getattr(method, 'quiet', False):
-                setattr(trial, name, _quiet(method))  # a printer they inject would start before on_start
-        _silence(state[torchbearer.CALLBACK_LIST])
-
-    def on_start(self, state):
-        if comm.rank() == 0:
-            return
-        callbacks = state[torchbearer.CALLBACK_LIST]
-        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
-            callbacks.callback = _Silent(callbacks.callback)  # the printer injected by run(verbose=...)
+                setattr(trial, name, _quiet(method))
+        _silence(trial.state[torchbearer.CALLBACK_LIST])  # the Trial's own list, under any injection
 
 
 class RankZeroOnly(Callback):

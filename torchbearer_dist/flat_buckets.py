@@ -1,0 +1,132 @@
+"""One flat buffer of gradients: how parameters are packed into buckets, copied in and handed back.
+
+:mod:`torchbearer_dist.buckets` starts, waits for and averages these buffers; this module only holds
+their layout. A bucket holds one real dtype on one device. Complex parameters take two real slots per
+value (at an even offset, so that :func:`torch.view_as_complex` can view them), sparse gradients are
+copied in densified and handed back sparse, and each bucket ends with one presence flag per
+parameter, plus a stop flag in the last bucket.
+"""
+import torch
+
+
+def check_supported(named_params):
+    """Raise, naming the parameter, for any parameter whose gradient the buckets cannot average.
+
+    Args:
+        named_params (list): ``(name, parameter)`` pairs
+
+    Raises:
+        ValueError: a sparse or quantized parameter, or one that is neither floating nor complex
+    """
+    for name, p in named_params:
+        if p.layout != torch.strided or not (p.is_floating_point() or p.is_complex()):
+            raise ValueError("parameter '{}' ({}, {}) cannot be averaged by AllReduceGradients: only dense floating "
+                             "or complex parameters are; wrap the model with wrap_ddp, or freeze it (requires_grad="
+                             "False)".format(name, str(p.dtype).replace('torch.', ''), p.layout))
+
+
+def _real_dtype(p):
+    return p.dtype.to_real() if p.is_complex() else p.dtype
+
+
+class FlatBucket:
+    __slots__ = ('params', 'numel', 'flat', 'grads', 'flags', 'views', 'present', 'pending', 'sent', 'missing',
+                 'sparse', 'work', 'wire', 'last')
+
+    def __init__(self, params, last):
+        self.params = params
+        self.last = last
+        spans, offset = [], 0
+        for p in params:
+            if p.is_complex():
+                offset += offset % 2  # view_as_complex needs an even storage offset
+            spans.append(offset)
+            offset += p.numel() * (2 if p.is_complex() else 1)
+        self.numel = offset
+        self.flat = torch.zeros(offset + len(params) + (1 if last else 0), dtype=_real_dtype(params[0]),
+                                device=params[0].device)
+        self.grads = self.flat[:offset]
+        self.flags = self.flat[offset:offset + len(params)]
+        self.views = []
+        for p, start in zip(params, spans):
+            if p.is_complex():
+                self.views.append(torch.view_as_complex(self.flat[start:start + 2 * p.numel()].view(*p.shape, 2)))
+            else:
+                self.views.append(self.flat[start:start + p.numel()].view_as(p))
+        self.present = [False] * len(params)
+        self.sparse = {}
+        self.reset()
+
+    def reset(self):
+        self.present[:] = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.sent = self.missing = False
+        self.work = self.wire = None
+
+    def put(self, position, grad):
+        """Copy one gradient in (densified if sparse) and make it the parameter's ``.grad``."""
+        view = self.views[position]
+        if grad.is_sparse:
+            view.copy_(grad.to_dense())
+            self.sparse[position] = grad.sparse_dim()
+        elif grad is not view:
+            view.copy_(grad)
+        self.params[position].grad = view
+
+    def fill(self):
+        """Copy in every gradient not yet in, with one fused copy; zero-fill the missing ones.
+
+        Returns:
+            bool: whether a gradient was missing (None) on this rank
+        """
+        if self.pending == len(self.params):
+            grads = [p.grad for p in self.params]
+            if not any(grad is None or grad.is_sparse for grad in grads):  # the common case: one fused copy
+                torch._foreach_copy_(self.views, grads)  # copying a view onto itself is a no-op
+                self.pending = 0
+                return False
+        missing = False
+        for position, p in enumerate(self.params):
+            if self.present[position]:
+                continue
+            if p.grad is None:
+                self.views[position].zero_()
+                missing = True
+            else:
+                self.present[position] = True
+                self.put(position, p.grad)
+        self.pending = 0
+        return missing
+
+    def unpack(self):
+        """Hand the averaged values back as ``.grad``; None for a parameter that no rank used."""
+        used = None if not self.missing or self.flags.min().item() > 0 else self.flags.tolist()
+        for position, (p, view) in enumerate(zip(self.params, self.views)):
+            if used is not None and not used[position]:
+                p.grad = None
+            elif position in self.sparse:
+                p.grad = view.to_sparse(sparse_dim=self.sparse[position])
+            elif p.grad is not view:
+                p.grad = view
+        self.sparse.clear()
+
+
+def pack(params, cap_mb, first_mb):
+    """Group ``params`` (in the order their gradients are expected) into :class:`FlatBucket` s.
+
+    A bucket is closed before the tensor that would overflow ``cap_mb`` (``first_mb`` for the first
+    one), and at every change of real dtype or device.
+    """
+    buckets, current, size = [], [], 0
+    cap = first_mb * 2 ** 20 if first_mb else cap_mb * 2 ** 20
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap or _real_dtype(p) != _real_dtype(current[0])
+                        or p.device != current[0].device):
+            buckets.append(current)
+            current, size, cap = [], 0, cap_mb * 2 ** 20
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return [FlatBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]

@@ -1,0 +1,111 @@
+"""Stopping together: a stop requested by any callback on any rank ends every rank at the same step."""
+import weakref
+
+import torchbearer
+from torchbearer import Callback
+
+from torchbearer_dist import comm
+
+
+class _LastWord(Callback):
+    """Runs after every other callback of the Trial's list, where a stop request of this step is final."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = weakref.proxy(owner)
+
+    def on_step_training(self, state):
+        self.owner._after_step(state)
+
+    def on_end_training(self, state):
+        self.owner._agree_on_stop(state, self.owner._stop_requested)
+
+    def on_checkpoint(self, state):
+        self.owner._agree_on_stop(state, state[torchbearer.STOP_TRAINING])
+
+    def __str__(self):
+        return 'stop agreement of {}'.format(type(self.owner).__name__)
+
+
+def _callback_list(state):
+    """The Python list of callbacks that the Trial's own CallbackList iterates (under any injection)."""
+    callbacks = state[torchbearer.CALLBACK_LIST]
+    while not isinstance(callbacks.callback_list, list):
+        callbacks = callbacks.callback_list  # CallbackListInjection wraps the Trial's CallbackList
+    return callbacks.callback_list
+
+
+class AgreeOnStop(Callback):
+    """Make every rank stop at the same step when a callback on any rank stops training.
+
+    A callback such as TerminateOnNaN sees only its own rank's loss; if it stopped that rank alone,
+    the others would wait for it in their next collective. A stop set in ``on_step_training`` is
+    held back and shared with every rank, which all stop after the next step; a stop set at the end
+    of an epoch is agreed by one all-reduce. :class:`AllReduceGradients` does this itself, carrying
+    the request in its gradient buckets at no cost; use this one with a DistributedDataParallel model.
+
+    It works wherever it sits in the callback list: for the length of each run it appends a small
+    companion to the end of the Trial's callback list, which reads the stop requests of the step
+    after every other callback has run (torchbearer has no hook that runs after all callbacks).
+
+    Example: ::
+
+        >>> from torchbearer.callbacks import TerminateOnNaN
+        >>> from torchbearer_dist import AgreeOnStop
+        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[AgreeOnStop(), TerminateOnNaN()])
+
+    State Requirements:
+        - :attr:`torchbearer.state.STOP_TRAINING`: read and set
+        - :attr:`torchbearer.state.CALLBACK_LIST`: its companion is appended for the run
+
+    .. warning:: A synchronization point at each step (without gradient buckets) and each epoch end.
+    """
+
+    buckets = None
+
+    def __init__(self):
+        super().__init__()
+        self._stop_requested = False
+        self._stop_agreed = False
+        self._last_word = _LastWord(self)
+
+    def on_start(self, state):
+        self._stop_requested = self._stop_agreed = False
+        if comm.world_size() == 1:
+            return
+        # torchbearer calls callbacks in list order and has no hook after them all: the one place where
+        # this package edits the Trial's callback list for a run (removed again in on_end, and before
+        # it is appended again, so a run that raised leaves no duplicate).
+        callbacks = _callback_list(state)
+        if self._last_word in callbacks:
+            callbacks.remove(self._last_word)
+        callbacks.append(self._last_word)
+
+    def on_end(self, state):
+        callbacks = _callback_list(state)
+        if self._last_word in callbacks:
+            callbacks.remove(self._last_word)
+
+    def _stopped_by_buckets(self):
+        """Whether the gradients of this step carried a stop request from some rank."""
+        return False
+
+    def _after_step(self, state):
+        if self._stopped_by_buckets():
+            self._stop_requested, self._stop_agreed = False, True
+            state[torchbearer.STOP_TRAINING] = True
+            return
+        if state[torchbearer.STOP_TRAINING] and not self._stop_agreed:
+            # Hold the stop until every rank knows: it travels with the next step's gradients.
+            state[torchbearer.STOP_TRAINING] = False
+            self._stop_requested = True
+            if self.buckets is not None:
+                self.buckets.request_stop()
+        if self.buckets is None and comm.any_rank(self._stop_requested):
+            self._stop_requested = False
+            state[torchbearer.STOP_TRAINING] = True
+
+    def _agree_on_stop(self, state, flag):
+        if comm.any_rank(flag or state[torchbearer.STOP_TRAINING]):
+            state[torchbearer.STOP_TRAINING] = True
+        self._stop_requested = self._stop_agreed = False
