@@ -202,7 +202,7 @@ def print_phases(link, phases):
     for model, by_name in phases.items():
         print('\nlink {}, {} (rank 0, plain loop, median ms per step):'.format(link, model))
         for name, row in by_name.items():
-            print('  {:5s} '.format(name) + '  '.join('{} {:.1f}'.format(k, row[k]) for k in
+            print('  {:11s} '.format(name) + '  '.join('{} {:.1f}'.format(k, row[k]) for k in
                                                         ('forward', 'backward', 'wait', 'optimizer', 'step')))
             if row.get('schedule'):
                 print('        buckets in sending order: {}'.format(row['schedule']))

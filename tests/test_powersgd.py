@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torchbearer
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+import torchbearer_dist
 from torchbearer_dist.powersgd import PowerSGD
 
 from _dist import run_in_step, run_workers, scenario_values
@@ -111,8 +113,28 @@ def _none_gradients():
     return results
 
 
+def _in_a_trial():
+    """AllReduceGradients(compression='powersgd') in a Trial: the same updates as PowerSGD called by hand."""
+    results = {}
+    for how in ('callback', 'by hand'):
+        model = _model(seed=3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if how == 'callback':
+            callbacks = torchbearer_dist.distributed_callbacks(compression='powersgd', powersgd_rank=2,
+                                                               powersgd_start_iter=2)
+            trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), callbacks=callbacks, verbose=0)
+            trial.with_train_generator(_batches(10, dist.get_rank()))
+            trial.run(1)
+            results[how] = [p.detach().clone() for p in model.parameters()]
+        else:
+            powersgd = PowerSGD(list(model.parameters()), matrix_approximation_rank=2, start_iter=2)
+            results[how] = _train(model, 10, powersgd.reduce)
+    return results
+
+
 def _worker():
     return run_in_step([
+        ('trial', _in_a_trial),
         ('feedback', lambda: {ef: _accumulated_error(ef, 200) for ef in (True, False)}),
         ('identical', _replicas_identical),
         ('hook', functools.partial(_versus_torch_hook, 8)),
@@ -150,6 +172,14 @@ def test_matches_ddp_with_torch_powersgd_hook(per_rank):
         assert max((a - b).abs().max().item() for a, b in zip(ours, exact)) > 1e-3
 
 
+def test_all_reduce_gradients_powersgd_in_a_trial(per_rank):
+    for results in scenario_values(per_rank, 'trial'):
+        for mine, by_hand in zip(results['callback'], results['by hand']):
+            torch.testing.assert_close(mine, by_hand, rtol=1e-5, atol=1e-6)
+    first, second = (r['callback'] for r in scenario_values(per_rank, 'trial'))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_none_gradients_and_stop_flag(per_rank):
     for results in scenario_values(per_rank, 'none'):
         for used, unused, sometimes, stop in results:
@@ -167,3 +197,10 @@ def test_none_gradients_and_stop_flag(per_rank):
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PowerSGD([nn.Parameter(torch.ones(3, 3))], **kwargs)
+
+
+def test_bad_all_reduce_gradients_options_are_refused():
+    with pytest.raises(ValueError, match=r'powersgd_rank should be an integer >= 1, but given 0'):
+        torchbearer_dist.AllReduceGradients(compression='powersgd', powersgd_rank=0)
+    with pytest.raises(ValueError, match=r"compression should be None, 'fp16', 'bf16' or 'powersgd', but given 'top"):
+        torchbearer_dist.AllReduceGradients(compression='topk')

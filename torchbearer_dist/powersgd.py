@@ -85,9 +85,9 @@ class PowerSGD:
             raise ValueError('min_compression_rate should be a number >= 0, but given {!r}'.format(
                 min_compression_rate))
         first = self.params[0]
-        if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
-            raise ValueError('PowerSGD needs parameters of one dtype and device, but given {}; make one PowerSGD '
-                             'per dtype'.format(sorted({str(p.dtype) for p in self.params})))
+        if any(p.dtype != first.dtype or p.device != first.device or not p.is_floating_point() for p in self.params):
+            raise ValueError('PowerSGD needs real floating parameters of one dtype and device, but given {}; make one '
+                             'PowerSGD per dtype'.format(sorted({str(p.dtype) for p in self.params})))
         self.rank, self.start_iter = matrix_approximation_rank, start_iter
         self.warm_start, self.error_feedback = warm_start, error_feedback
         self.epsilon, self.group, self.iter = orthogonalization_epsilon, group, 0
