@@ -288,6 +288,7 @@ def main(argv=None):
     try:
         import plot_multihost
         plot_multihost.plot(os.path.join(args.out, 'multihost.png'), rows, command)
+        plot_multihost.write_model_tables(args.out, plot_multihost.read_rows(args.out))
     except ImportError as error:
         print('no plot: {}'.format(error))
     print('\nwrote {} in {:.0f} s; load average {:.1f}'.format(args.out, time.monotonic() - started, load[0]))

@@ -1,7 +1,21 @@
-"""The figure of the multi-host benchmark: samples/s per link, one panel per model, projection marked."""
+"""The figure and the per-model tables of the multi-host benchmark, from its CSV.
+
+Regenerate them from an existing run with ``python benchmarks/plot_multihost.py benchmarks/results/multihost``.
+"""
+import csv
+import os
+import sys
+
+#: Per-model table: (CSV column, heading), narrow enough for a documentation page.
+MODEL_TABLE = [('link', 'link'), ('contender', 'contender'), ('samples_per_s', 'samples/s'),
+               ('ratio_to_ddp', 'x DDP'), ('ratio_to_single', 'x 1 process'), ('wire_kb_per_step', 'kB sent/step'),
+               ('projected', 'model: samples/s')]
 COLOURS = {'single-1-thread': '#9e9e9e', 'single-all-cores': '#616161', 'ddp': '#d62728', 'ddp-fp16-hook': '#ff9896',
            'ddp-powersgd-hook': '#8c564b', 'per-param-recipe': '#ff7f0e', 'ours': '#1f77b4', 'ours-fp16': '#6baed6',
            'ours-bf16': '#9ecae1', 'ours-powersgd': '#2ca02c'}
+
+
+LINK_NAMES = {'100mbit': '100 Mbit/s', '1gbit': '1 Gbit/s', '10gbit': '10 Gbit/s', 'none': 'unshaped'}
 
 
 def plot(path, rows, command):
@@ -34,8 +48,7 @@ def plot(path, rows, command):
                     label='projection model' if index == 0 and k == 0 else None)
         ax.set_yscale('log')
         ax.set_xticks(range(len(links)))
-        ax.set_xticklabels(['unshaped' if link == 'none' else link.replace('bit', ' bit/s') for link in links],
-                           fontsize=12)
+        ax.set_xticklabels([LINK_NAMES.get(link, link) for link in links], fontsize=12)
         ax.tick_params(axis='y', labelsize=11)
         ax.set_ylabel('samples/s (median)', fontsize=12)
         ax.set_title(model, fontsize=14)
@@ -48,3 +61,43 @@ def plot(path, rows, command):
     figure.tight_layout(rect=(0, 0.09, 1, 0.97))
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def read_rows(folder):
+    """The rows of ``folder``/multihost.csv, numbers as floats."""
+    with open(os.path.join(folder, 'multihost.csv'), newline='') as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key, value in row.items():
+            try:
+                row[key] = float(value) if value != '' else None
+            except ValueError:
+                pass
+    return rows
+
+
+def write_model_tables(folder, rows):
+    """One narrow CSV per model, ``multihost_<model>.csv``, for the documentation's tables."""
+    for model in dict.fromkeys(r['model'] for r in rows):
+        with open(os.path.join(folder, 'multihost_{}.csv'.format(model)), 'w', newline='') as f:
+            writer = csv.writer(f)
+            writer.writerow([heading for _, heading in MODEL_TABLE])
+            for row in rows:
+                if row['model'] == model:
+                    writer.writerow([_cell(row.get(key), key) for key, _ in MODEL_TABLE])
+
+
+def _cell(value, key):
+    if value is None:
+        return ''
+    if isinstance(value, float):
+        return '{:.2f}'.format(value) if key.startswith('ratio') else '{:.0f}'.format(value)
+    return 'unshaped' if value == 'none' else value
+
+
+if __name__ == '__main__':
+    folder = sys.argv[1]
+    found = read_rows(folder)
+    write_model_tables(folder, found)
+    with open(os.path.join(folder, 'command.txt')) as f:
+        plot(os.path.join(folder, 'multihost.png'), found, f.readline().strip())
