@@ -33,9 +33,9 @@ DEFAULT_MODELS = ['mlp', 'cnn', 'mlp64']
 WORLD_SIZE = 2
 PROJECTION_TABLE = ['model', 'link_gbit', 'wire', 'machines', 'step_ms', 'samples_per_s', 'scaling_efficiency']
 
-TABLE_COLUMNS = ['model', 'contender', 'samples_per_s', 'ratio_to_ddp', 'scaling_efficiency', 'fraction_of_floor',
-                 'step_ms', 'cpu_ms_rank0', 'peak_rss_mib_rank0', 'peak_rss_mib_rank1']
-CSV_COLUMNS = TABLE_COLUMNS + ['samples_per_s_min', 'samples_per_s_max', 'ratio_to_recipe', 'repeats', 'steps',
+TABLE_COLUMNS = ['model', 'contender', 'samples_per_s', 'ratio_to_ddp', 'scaling_efficiency', 'step_ms']
+CSV_COLUMNS = TABLE_COLUMNS + ['fraction_of_floor', 'cpu_ms_rank0', 'peak_rss_mib_rank0', 'peak_rss_mib_rank1',
+                               'samples_per_s_min', 'samples_per_s_max', 'ratio_to_recipe', 'repeats', 'steps',
                                'batch_per_rank', 'threads_per_rank', 'ranks', 'note']
 
 
