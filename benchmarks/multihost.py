@@ -60,6 +60,7 @@ def parse_args(argv=None):
                         help='instead: MNIST accuracy and time to 0.90 of these contenders (e.g. '
                              'ddp,ours,ours-powersgd-2), on the first of --links')
     parser.add_argument('--seeds', type=int, default=3, help='seeds of --accuracy runs')
+    parser.add_argument('--first-seed', type=int, default=0, help='the first of the --seeds seeds')
     parser.add_argument('--worker', type=str, default=None, help=argparse.SUPPRESS)  # internal: config file
     args = parser.parse_args(argv)
     if args.worker:
@@ -242,7 +243,8 @@ def main(argv=None):
              for m in args.models}
     config = dict(models=args.models, contenders=args.contender_names, steps=steps, repeats=args.repeats,
                   all_reduce_calls=3 if args.quick else 10, phase_steps=3 if args.quick else 20, phases=args.phases,
-                  accuracy=args.accuracy and args.accuracy.split(','), seeds=list(range(args.seeds)))
+                  accuracy=args.accuracy and args.accuracy.split(','),
+                  seeds=list(range(args.first_seed, args.first_seed + args.seeds)))
     os.makedirs(args.out, exist_ok=True)
     command = 'python benchmarks/multihost.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
     print('multi-host benchmark: {} namespace hosts, 1 rank x 1 thread and batch {} each, links {}; RANDOM data; '
