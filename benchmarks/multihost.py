@@ -289,8 +289,10 @@ def main(argv=None):
             command, time.monotonic() - started, *load))
     try:
         import plot_multihost
-        plot_multihost.plot(os.path.join(args.out, 'multihost.png'), rows, command)
-        plot_multihost.write_model_tables(args.out, plot_multihost.read_rows(args.out))
+        found = plot_multihost.read_rows(args.out)
+        plot_multihost.calibrate(found)
+        plot_multihost.plot(os.path.join(args.out, 'multihost.png'), found, command)
+        plot_multihost.write_model_tables(args.out, found)
     except ImportError as error:
         print('no plot: {}'.format(error))
     print('\nwrote {} in {:.0f} s; load average {:.1f}'.format(args.out, time.monotonic() - started, load[0]))
