@@ -56,9 +56,9 @@ def plot(path, rows, command):
     for index in range(len(models), lines * columns):
         axes[index // columns][index % columns].axis('off')
     figure.legend(loc='lower center', ncol=6, fontsize=11, frameon=False)
-    figure.suptitle('2 hosts (network namespaces), 1 rank x 1 thread each, batch 64. Bars: measured. '
-                    'Black marks: the projection model, compute slowed as measured unshaped', fontsize=13)
-    figure.tight_layout(rect=(0, 0.09, 1, 0.97))
+    figure.suptitle('2 hosts (network namespaces), 1 rank x 1 thread each, batch 64\nbars: measured medians; '
+                    'black marks: the projection model, compute slowed as measured unshaped', fontsize=13)
+    figure.tight_layout(rect=(0, 0.09, 1, 0.95))
     figure.savefig(path, dpi=100)
     plt.close(figure)
 

@@ -37,8 +37,8 @@ class PowerSGD:
     over time: on the MNIST example (784-100-10 MLP, 2 ranks, 5 epochs, rank 4) compressing from the
     third step ended at 93.65 % test accuracy against 93.66 % for exact averaging (means over 8
     seeds). A longer warm-up (``start_iter=100`` and more, torch's hook defaults to 1,000) helps
-    models that are sensitive early in training. Each compressed step costs two all-reduces: one of the ``P`` factors and every
-    uncompressed gradient, one of the ``Q`` factors.
+    models that are sensitive early in training. Each compressed step costs two all-reduces: one of
+    the ``P`` factors and every uncompressed gradient, one of the ``Q`` factors.
 
     Example:
 
