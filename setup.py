@@ -23,7 +23,7 @@ setup(
     extras_require={
         'examples': ['torchvision>=0.16', 'mlxtend>=0.21'],
         'test': ['pytest>=7', 'pytest-timeout>=2', 'ruff'],
-        'docs': ['sphinx>=7'],
+        'docs': ['sphinx>=7', 'furo>=2024.1.29', 'sphinx-copybutton>=0.5'],
         'benchmarks': ['matplotlib>=3.5'],
     },
     classifiers=[

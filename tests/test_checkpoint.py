@@ -1,9 +1,11 @@
-"""Checkpoints (issue 4, item 9): rank 0 alone writes, atomically; resume on another world size.
+"""Checkpoints (issue 4, item 9; issue 8, item 8): rank 0 alone touches the path, writes atomically; resume on
+another world size restores callbacks and schedulers too.
 
 The crash test runs this file as a script (``python tests/test_checkpoint.py --write PATH``): a writer
 saving checkpoints in a loop, killed with SIGKILL at random moments.
 """
 import argparse
+import functools
 import os
 import random
 import signal
@@ -16,6 +18,8 @@ import torch
 import torchbearer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchbearer import Callback, Trial
+from torchbearer.callbacks import EarlyStopping, StepLR
+from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 import torchbearer_dist as tbd
 from torchbearer_dist import checkpoint
@@ -116,7 +120,7 @@ def test_optimizer_state_and_history_round_trip(tmp_path):
 def test_bad_arguments_and_files(tmp_path):
     with pytest.raises(ValueError, match=r'^every should be an integer >= 1, but given 0$'):
         tbd.Checkpoint(str(tmp_path / 'a.pt'), every=0)
-    with pytest.raises(ValueError, match=r"^no checkpoint at '.*missing\.pt'"):
+    with pytest.raises(ValueError, match=r"^no checkpoint at '.*missing\.pt' on rank 0; pass the path given to "):
         tbd.load_checkpoint(str(tmp_path / 'missing.pt'))
     with pytest.raises(ValueError, match=r"^the directory of the checkpoint path '.*' does not exist"):
         tbd.save_checkpoint(str(tmp_path / 'no' / 'a.pt'), torch.nn.Linear(1, 1))
@@ -188,6 +192,104 @@ def test_killing_the_writer_always_leaves_a_loadable_checkpoint(tmp_path):
     assert len(versions) >= 4 and versions == sorted(versions) and versions[-1] > versions[0]
     leftovers = [name for name in os.listdir(tmp_path) if name != 'run.pt']
     assert len(leftovers) <= 1, leftovers  # at most the temporary of the last killed writer
+
+
+def _resumable(path, callbacks_before=True):
+    """A Trial whose callbacks keep state: EarlyStopping's counters, a StepLR and a ReduceLROnPlateau."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    data = TensorDataset(x, y)
+    sampler = DistributedSampler(data, tbd.get_world_size(), tbd.get_rank(), shuffle=True, seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    # torchbearer 0.5.5's own ReduceLROnPlateau passes verbose=, which torch 2.14 rejects: build it directly.
+    # mode='max' on a falling loss: every epoch counts as bad, so the counters move every epoch.
+    plateau = TorchScheduler(functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, mode='max', factor=0.8,
+                                               patience=1), monitor='loss')
+    stateful = [EarlyStopping(monitor='loss', mode='max', patience=100), StepLR(step_size=2, gamma=0.5), plateau]
+    ours = [tbd.Checkpoint(path), *tbd.distributed_callbacks()]
+    callbacks = stateful + ours if callbacks_before else ours + stateful
+    trial = Trial(model, optimizer, torch.nn.functional.cross_entropy, metrics=['loss'], callbacks=callbacks,
+                  verbose=0)
+    return trial.with_generators(DataLoader(data, batch_size=8, sampler=sampler)), stateful
+
+
+def _end_state(trial, stateful):
+    early, step, plateau = stateful
+    return dict(params=_params(trial.state[torchbearer.MODEL]),
+                lr=[g['lr'] for g in trial.state[torchbearer.OPTIMIZER].param_groups],
+                early=(early.wait, float(early.best)),
+                step={k: step._scheduler.state_dict()[k] for k in ('last_epoch', 'base_lrs', '_last_lr')},
+                plateau={k: plateau._scheduler.state_dict()[k] for k in ('last_epoch', 'best', 'num_bad_epochs',
+                                                                           '_last_lr')})
+
+
+def _resume_in_two(directory, epochs, split):
+    """Train ``epochs`` straight through, and ``split`` then resume to ``epochs`` in a fresh Trial."""
+    straight = _resumable(os.path.join(directory, 'straight.pt'))
+    straight[0].run(epochs)
+    path = os.path.join(directory, 'split.pt')
+    first = _resumable(path)
+    first[0].run(split)
+    second = _resumable(path, callbacks_before=True)
+    tbd.load_checkpoint(path, trial=second[0])
+    second[0].run(epochs)
+    return _end_state(*straight), _end_state(*second)
+
+
+def test_resume_restores_callbacks_and_schedulers(tmp_path):
+    straight, resumed = _resume_in_two(str(tmp_path), 5, 2)
+    assert straight['lr'] != [0.5]  # the schedulers did act
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
+
+
+def _worker_rank_0_only(root):
+    """Each rank in its own directory: a relative path exists on rank 0's "machine" only."""
+    rank = tbd.get_rank()
+    os.chdir(os.path.join(root, 'rank{}'.format(rank)))
+    results = {}
+    trial, stateful = _resumable(os.path.join('ckpt', 'run.pt'))
+    trial.run(2)
+    fresh, fresh_stateful = _resumable(os.path.join('ckpt', 'run.pt'))
+    tbd.load_checkpoint(os.path.join('ckpt', 'run.pt'), trial=fresh)
+    results['loaded'] = _params(fresh.state[torchbearer.MODEL])
+    results['trained'] = _params(trial.state[torchbearer.MODEL])
+    fresh.run(3)
+    results['resumed'] = _end_state(fresh, fresh_stateful)
+    missing, _ = _resumable(os.path.join('nowhere', 'run.pt'))
+    try:
+        missing.run(1)
+    except ValueError as error:
+        results['missing'] = str(error)
+    return results
+
+
+@pytest.mark.slow
+def test_only_rank_0_touches_the_path(tmp_path):
+    for rank in (0, 1):
+        (tmp_path / 'rank{}'.format(rank)).mkdir()
+    (tmp_path / 'rank0' / 'ckpt').mkdir()
+    results = run_workers(_worker_rank_0_only, 2, args=(str(tmp_path),))
+    assert os.listdir(tmp_path / 'rank1') == []
+    assert sorted(os.listdir(tmp_path / 'rank0' / 'ckpt')) == ['run.pt']
+    for result in results:
+        torch.testing.assert_close(result['loaded'], results[0]['trained'], rtol=0, atol=0)
+        assert result['missing'] == ("the directory of the checkpoint path 'nowhere/run.pt' does not exist on rank 0; "
+                                     "create it there first")
+    torch.testing.assert_close(results[1]['resumed'], results[0]['resumed'], rtol=0, atol=0)
+
+
+def test_stale_temporaries_are_judged_by_host_and_start_time(tmp_path):
+    from torchbearer_dist import atomic
+    path = str(tmp_path / 'run.pt')
+    host = atomic._host()
+    mine = atomic._temporary(path)
+    dead = '{}.tmp.{}.{}.{}'.format(path, host, os.getpid(), 1)  # this pid, another start time: reused id
+    elsewhere = '{}.tmp.{}.{}.{}'.format(path, atomic._host().rsplit('-', 1)[0] + '-otherboot', 1, 1)
+    for name in (mine, dead, elsewhere):
+        open(name, 'w').close()
+    atomic.remove_stale_temporaries(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in (mine, elsewhere))
 
 
 if __name__ == '__main__':

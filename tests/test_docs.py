@@ -21,14 +21,15 @@ def _text(page):
 @pytest.fixture(scope='module')
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp('html')
-    result = run_command(python('-m', 'sphinx', '-W', '--keep-going', '-q', '-b', 'html', DOCS, str(out)),
+    # -n: every reference to the package's own objects resolves (README's command: sphinx-build -n -W)
+    result = run_command(python('-m', 'sphinx', '-n', '-W', '--keep-going', '-q', '-b', 'html', DOCS, str(out)),
                          timeout=150)
     assert result.returncode == 0, result.stderr[-5000:]
     return out
 
 
 def test_docs_build_with_warnings_as_errors(built):
-    for page in ('index', 'tutorial', 'launching', 'api', 'troubleshooting', 'performance'):
+    for page in ('index', 'tutorial', 'own_script', 'scaling', 'launching', 'api', 'troubleshooting', 'performance'):
         assert (built / '{}.html'.format(page)).is_file(), page
 
 
@@ -38,8 +39,8 @@ def test_tutorial_shows_the_example_callback_code(built):
         example = f.read()
     for line in ('def sync_callbacks(ddp=False):', 'tbd.BroadcastParameters(),',
                  'tbd.AgreeOnStop() if ddp else tbd.AllReduceGradients(),',
-                 "callbacks=[tbd.RankZeroOnly(PrintMetrics()), *sync_callbacks(ddp)])",
-                 'with tbd.process_group(', 'def worker(args):'):
+                 "callbacks = [tbd.RankZeroOnly(PrintMetrics()), *sync_callbacks(ddp)]",
+                 'with tbd.process_group(', 'def worker(args):', 'env = tbd.current_env()'):
         assert line in example, line  # the tutorial quotes the example as it is now
         assert line in tutorial, line
     assert 'distributed_callbacks(flatten_images=True' in tutorial
@@ -57,3 +58,28 @@ def test_tutorial_includes_code_by_name_never_by_line_numbers():
         if name.endswith('.rst'):
             with open(os.path.join(DOCS, name)) as f:
                 assert ':lines:' not in f.read(), name
+
+
+def test_tutorial_shows_send_recv_and_the_collective_broadcast(built):
+    tutorial = _text(built / 'tutorial.html')
+    for text in ('dist.broadcast(flat, src)', 'dist.send(flat, other)', 'dist.recv(flat, src)',
+                 "BroadcastParameters(method='p2p')", "method='broadcast'",
+                 'dist.all_reduce(bucket.wire, async_op=True)', 'What each callback does in torch.distributed calls'):
+        assert text in tutorial, text
+    assert 'fit one bucket, so here nothing overlaps' in re.sub(r'\s+', ' ', tutorial)
+
+
+def test_worker_uses_only_public_api():
+    with open(os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')) as f:
+        example = f.read()
+    used = set(re.findall(r'\btbd\.(\w+)', example))
+    assert used <= set(torchbearer_dist.__all__), used - set(torchbearer_dist.__all__)
+    assert 'from torchbearer_dist import' not in example
+
+
+def test_own_script_page_covers_what_a_cpu_user_looks_for(built):
+    page = re.sub(r'\s+', ' ', _text(built / 'own_script.html'))
+    for text in ('Build the Trial inside the process group', 'distributed_loader(dataset, batch_size, shuffle',
+                 'Threads per rank', 'Goyal et al.', 'Checkpoint and resume', 'torchrun --nnodes 2',
+                 'ScaleLearningRate'):
+        assert text in page, text

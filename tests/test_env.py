@@ -186,3 +186,50 @@ def test_two_ranks_meet_through_a_file(tmp_path):
     assert result.returncode == 0, outputs
     reports = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
     assert reports == [{'rank': rank, 'total': 3.0, 'ifname': 'lo', 'timeout': 20.0} for rank in range(2)]
+
+
+# Launchers and the backend choice (issue 10).
+
+def test_openmpi_environment():
+    environ = {'OMPI_COMM_WORLD_RANK': '3', 'OMPI_COMM_WORLD_SIZE': '4', 'OMPI_COMM_WORLD_LOCAL_RANK': '1',
+               'SLURM_PROCID': '0', 'SLURM_NTASKS': '1'}  # mpirun inside an allocation: its variables win
+    env = resolve(host='10.0.0.1', backend='gloo', environ=environ)
+    assert (env.rank, env.world_size, env.local_rank, env.host, env.source) == (3, 4, 1, '10.0.0.1', 'openmpi')
+
+
+def test_mpich_pmi_environment():
+    environ = {'PMI_RANK': '1', 'PMI_SIZE': '2', 'MPI_LOCALRANKID': '0'}
+    env = resolve(backend='gloo', environ=environ)
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (1, 2, 0, 'pmi')
+
+
+def test_torchrun_wins_over_mpi():
+    environ = {'RANK': '1', 'WORLD_SIZE': '2', 'OMPI_COMM_WORLD_RANK': '0', 'OMPI_COMM_WORLD_SIZE': '4'}
+    assert resolve(backend='gloo', environ=environ).source == 'torchrun'
+
+
+def test_bad_openmpi_variable_is_named():
+    with pytest.raises(ValueError, match=r"^Environment variable OMPI_COMM_WORLD_SIZE should be an integer, but "
+                                         r"given 'two'; fix or unset it$"):
+        resolve(backend='gloo', environ={'OMPI_COMM_WORLD_RANK': '0', 'OMPI_COMM_WORLD_SIZE': 'two'})
+
+
+@pytest.mark.parametrize('device, cuda_available, expected', [
+    (None, False, 'gloo'),
+    (None, True, 'gloo'),  # a GPU in the machine is no reason for nccl
+    (torch.nn.Linear(2, 1), True, 'gloo'),  # a model on the CPU
+    ('cpu', True, 'gloo'),
+    ('cuda:0', True, 'nccl'),
+    (torch.device('cuda', 1), True, 'nccl'),
+    ('cuda:0', False, 'gloo'),
+    (torch.nn.Linear(2, 1).to('meta'), True, 'gloo'),
+])
+def test_default_backend_follows_the_model_not_the_machine(device, cuda_available, expected):
+    assert torchbearer_dist.env.default_backend(device, cuda_available=cuda_available) == expected
+
+
+def test_launch_and_process_group_default_to_gloo(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # as on a GPU machine; torch.distributed untouched
+    assert resolve(rank=0, world_size=2, environ={}).backend == 'gloo'
+    with torchbearer_dist.process_group(rank=0, world_size=1) as env:
+        assert env.backend == 'gloo' and dist.get_backend() == 'gloo'

@@ -2,7 +2,9 @@
 import importlib.util
 import os
 import re
+import shutil
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,18 +27,29 @@ def example(*args):
     return python(EXAMPLE, '--download', 'never', *args)
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location('distributed_data_parallel', EXAMPLE)
+def _load(name='distributed_data_parallel'):
+    """Import ``examples/<name>.py`` as its script does, with ``examples/`` on the path."""
+    folder = os.path.dirname(EXAMPLE)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, name + '.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _load_data_module():
+    return _load('mnist_data')
+
+
 @pytest.fixture(scope='module')
 def one_command(tmp_path_factory):
-    """The one-command demo on its defaults, in a fresh directory: its output and saved model."""
+    """The one-command demo on its defaults but one thread per rank, in a fresh directory: output and model.
+
+    A fixed ``--threads`` keeps the weights bit-identical however the ranks were started.
+    """
     cwd = tmp_path_factory.mktemp('one_command')
-    result = run_command(example(), timeout=RUN_TIMEOUT, cwd=str(cwd))
+    result = run_command(example('--threads', '1'), timeout=RUN_TIMEOUT, cwd=str(cwd))
     result.model = cwd / 'mnist_mlp.pt'
     return result
 
@@ -60,7 +73,7 @@ def test_two_shells_match_the_one_command_run(one_command, tmp_path):
 
     def shell(rank):
         return run_command(example('--world-size', '2', '--rank', str(rank), '--host', '127.0.0.1', '--port',
-                                   str(port), '--save', str(tmp_path / 'rank{}.pt'.format(rank))),
+                                   str(port), '--threads', '1', '--save', str(tmp_path / 'rank{}.pt'.format(rank))),
                            timeout=RUN_TIMEOUT, cwd=str(tmp_path))
 
     with ThreadPoolExecutor(2) as pool:
@@ -87,7 +100,7 @@ def _bad_input_cases():
         (['--world-size', '2', '--rank', '1'],
          'error: --rank 1 needs --host ADDR, the address of the machine that runs rank 0 (see --help)'),
         (['--backend', 'foo'],
-         "error: backend should be one of gloo, nccl, mpi, but given 'foo'; use gloo on CPUs and nccl on GPUs"),
+         "error: argument --backend: invalid choice: 'foo' (choose from 'gloo', 'nccl') (see --help)"),
         (['--rank', 'one'], "error: argument --rank: invalid int value: 'one' (see --help)"),
         (['--epochs', '0'], 'error: --epochs should be at least 1, but given 0 (see --help)'),
     ]
@@ -138,14 +151,14 @@ def test_port_already_taken(tmp_path):
 
 
 def test_sync_callbacks_are_the_packaged_set():
-    module = _load_example()
+    module = _load()
     for ddp in (False, True):
         assert ([type(c) for c in module.sync_callbacks(ddp)]
                 == [type(c) for c in torchbearer_dist.distributed_callbacks(flatten_images=True, ddp=ddp)])
 
 
 def test_offline_data_is_real_mnist_split_the_same_every_time():
-    module = _load_example()
+    module = _load_data_module()
     (train_x, train_y), (test_x, test_y) = [d.tensors for d in module.load_mnist_5k()]
     assert train_x.shape == (4000, 1, 28, 28) and test_x.shape == (1000, 1, 28, 28)
     assert torch.bincount(train_y, minlength=10).tolist() != [400] * 10  # shuffled, not cut from sorted rows
@@ -157,7 +170,7 @@ def test_offline_data_is_real_mnist_split_the_same_every_time():
 
 
 def test_download_probe_gives_up_fast():
-    module = _load_example()
+    module = _load_data_module()
     started = time.monotonic()
     assert module.network_allows('127.0.0.1', free_port(), timeout=1) is False  # refused on loopback
     assert time.monotonic() - started < 2
@@ -167,7 +180,7 @@ def test_download_probe_gives_up_fast():
 def test_download_gives_up_fast_when_the_mirror_does_not_answer(tmp_path, monkeypatch):
     from torchvision.datasets import MNIST
     monkeypatch.setattr(MNIST, 'mirrors', ['http://127.0.0.1:{}/mnist/'.format(free_port())])  # refused
-    module = _load_example()
+    module = _load_data_module()
     started = time.monotonic()
     assert module.fetch_mnist(str(tmp_path / 'data'), download='auto') is False
     assert time.monotonic() - started < module.PROBE_SECONDS + 1
@@ -183,7 +196,7 @@ def _write_idx(path, array):
 
 
 def test_mnist_in_data_dir_is_preferred(tmp_path):
-    module = _load_example()
+    module = _load_data_module()
     (images, labels), _ = [d.tensors for d in module.load_mnist_5k()]
     raw = tmp_path / 'MNIST' / 'raw'
     raw.mkdir(parents=True)
@@ -196,3 +209,23 @@ def test_mnist_in_data_dir_is_preferred(tmp_path):
     assert len(train) == 300 and len(test) == 100
     torch.testing.assert_close(train.tensors[0], images[:300], atol=1e-5, rtol=0)
     assert torch.equal(train.tensors[1], labels[:300])
+
+
+OWN_SCRIPT = os.path.join(ROOT, 'examples', 'own_script.py')
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which('torchrun') is None, reason='torchrun is not on PATH')
+def test_own_script_resumes_as_if_never_stopped(tmp_path):
+    """The "Your own script" page's script: 1 epoch, then resumed to 2, prints what 2 at once print."""
+    def torchrun(epochs, checkpoint):
+        result = run_command([shutil.which('torchrun'), '--standalone', '--nproc-per-node', '2', OWN_SCRIPT,
+                              '--epochs', str(epochs), '--checkpoint', str(tmp_path / checkpoint)],
+                             timeout=RUN_TIMEOUT, cwd=str(tmp_path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [line for line in result.stdout.splitlines() if line.startswith('epochs ')]
+
+    assert len(torchrun(1, 'resumed.pt')) == 1  # printed once, by rank 0
+    resumed = torchrun(2, 'resumed.pt')
+    assert resumed == torchrun(2, 'straight.pt')
+    assert resumed[0].startswith('epochs 2: loss ')

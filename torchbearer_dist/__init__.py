@@ -12,14 +12,18 @@ from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkp
 from torchbearer_dist.comm import rank as get_rank
 from torchbearer_dist.comm import world_size as get_world_size
 from torchbearer_dist.consistency import CheckReplicas, EvenBatches
+from torchbearer_dist.data import distributed_loader
 from torchbearer_dist.ddp import wrap_ddp
 from torchbearer_dist.env import DEFAULT_TIMEOUT, DistEnv, resolve
 from torchbearer_dist.faults import PeerFailedError
+from torchbearer_dist.gather import all_gather_rows, gather_predictions
 from torchbearer_dist.launcher import launch
+from torchbearer_dist.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
 from torchbearer_dist.powersgd import PowerSGD
-from torchbearer_dist.rendezvous import destroy_process_group, init_process_group, process_group
+from torchbearer_dist.rendezvous import current_env, destroy_process_group, init_process_group, process_group
+from torchbearer_dist.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = '0.1.0'
 
@@ -30,7 +34,11 @@ def is_main_process():
 
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
-           'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'PowerSGD', 'RankZeroOnly',
+           'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'PeerFailedError', 'RankZeroOnly',
            'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS', 'SetSamplerEpoch', 'destroy_process_group',
            'distributed_callbacks', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
            'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'wrap_ddp', '__version__']
+__all__ += ['current_env']
+__all__ += ['LR_FACTOR', 'ScaleLearningRate', 'SyncBatchNorm', 'convert_sync_batchnorm']
+__all__ += ['all_gather_rows', 'distributed_loader', 'gather_predictions']
+__all__ += ['PowerSGD']

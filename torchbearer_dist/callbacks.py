@@ -14,6 +14,7 @@ from torchbearer import Callback
 from torchbearer_dist import comm
 from torchbearer_dist.buckets import GradientBuckets
 from torchbearer_dist.consistency import EvenBatches
+from torchbearer_dist.data import SetSamplerEpoch
 from torchbearer_dist.flat_buckets import check_supported
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOutput
@@ -282,39 +283,6 @@ class FlattenImages(Callback):
 
     def on_sample_validation(self, state):
         self._flatten(state)
-
-
-def _loaders(state):
-    keys = (torchbearer.TRAIN_GENERATOR, torchbearer.VALIDATION_GENERATOR, torchbearer.TEST_GENERATOR)
-    return [state[key] for key in keys if state.get(key) is not None]
-
-
-def _samplers(loader):
-    found = []
-    for sampler in (getattr(loader, 'sampler', None), getattr(getattr(loader, 'batch_sampler', None), 'sampler', None)):
-        if sampler is not None and hasattr(sampler, 'set_epoch') and sampler not in found:
-            found.append(sampler)
-    return found
-
-
-class SetSamplerEpoch(Callback):
-    """Call ``set_epoch(epoch)`` on every DistributedSampler of the Trial's loaders at each epoch start.
-
-    Without it, a shuffling DistributedSampler repeats the same order every epoch.
-
-    Example: ::
-
-        >>> from torchbearer_dist import SetSamplerEpoch
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[SetSamplerEpoch()])
-
-    State Requirements:
-        - :attr:`torchbearer.state.EPOCH`: the epoch about to start
-    """
-
-    def on_start_epoch(self, state):
-        for loader in _loaders(state):
-            for sampler in _samplers(loader):
-                sampler.set_epoch(state[torchbearer.EPOCH])
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', **all_reduce):

@@ -1,20 +1,29 @@
 """Checkpoints that survive a crash: global rank 0 writes them atomically, and any world size resumes.
 
-A checkpoint holds the unwrapped model's ``state_dict``, the optimizer's, and the Trial's history,
-whose length is the number of epochs done. Parameters and optimizer state are the same on every
-rank, so a job resumes on any number of processes. Only global rank 0 writes, to a temporary file
-in the same directory that is flushed, fsynced and renamed over the old one: a crash at any point
-leaves either the previous checkpoint or the new one, never a torn file. Loading always uses
+A checkpoint holds the unwrapped model's ``state_dict``, the optimizer's, the Trial's history, whose
+length is the number of epochs done, and the state of the Trial's callbacks (through torchbearer's
+``CallbackList.state_dict``: EarlyStopping's counters, ...) and of its learning-rate schedulers.
+Parameters and optimizer state are the same on every rank, so a job resumes on any number of
+processes. Only global rank 0 touches the path: it writes to a temporary file in the same directory
+that is flushed, fsynced and renamed over the old one (a crash at any point leaves either the previous
+checkpoint or the new one, never a torn file), and on resume it reads the file and broadcasts its
+bytes, so the path need exist only on rank 0's machine. Loading always uses
 ``torch.load(weights_only=True)``, which refuses to run code hidden in a checkpoint.
 """
+import io
 import os
 import pickle
+import warnings
 
 import torch
+import torch.distributed as dist
 import torchbearer
 from torchbearer import Callback
+from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 from torchbearer_dist import comm
+from torchbearer_dist.atomic import remove_stale_temporaries as _remove_stale_temporaries
+from torchbearer_dist.atomic import write as _write
 from torchbearer_dist.ddp import unwrap
 
 #: Marks a file written by :func:`save_checkpoint`, and its layout version.
@@ -32,49 +41,45 @@ def _plain(value):
     return str(value)
 
 
-def _remove_stale_temporaries(path):
-    directory, name = os.path.split(os.path.abspath(path))
-    prefix = name + '.tmp.'
-    for entry in os.listdir(directory):
-        pid = entry[len(prefix):]
-        if entry.startswith(prefix) and pid.isdigit() and not os.path.exists('/proc/{}'.format(pid)):
-            try:
-                os.remove(os.path.join(directory, entry))
-            except OSError:
-                pass
+def _name(callback):
+    return '{}.{}'.format(type(callback).__module__, type(callback).__qualname__)
 
 
-def _write(payload, path):
-    """Write ``payload`` to ``path`` atomically: temporary file, fsync, rename, fsync of the directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    temporary = '{}.tmp.{}'.format(path, os.getpid())
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, 'wb') as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.remove(temporary)
-        except OSError:
-            pass
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+def _is_plain(value):
+    """True for what ``weights_only`` loading accepts: plain values and tensors, in lists, tuples and dicts."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
+    return False
 
 
-def save_checkpoint(path, model, optimizer=None, history=()):
-    """Save the model, the optimizer and the history to ``path``, on global rank 0 only.
+def _callback_states(callbacks):
+    """Each callback's class name, its torchbearer ``state_dict()`` and its learning-rate scheduler's state."""
+    if callbacks is None:
+        return []
+    states = callbacks.state_dict()[torchbearer.callbacks.CallbackList.CALLBACK_STATES]
+    entries = []
+    for callback, state in zip(list(callbacks), states):
+        # TorchScheduler saves no state of the torch scheduler it keeps privately; it is the only way to it.
+        scheduler = getattr(callback, '_scheduler', None) if isinstance(callback, TorchScheduler) else None
+        scheduler = None if scheduler is None else scheduler.state_dict()
+        for what, value in (('state', state), ('scheduler', scheduler)):
+            if not _is_plain(value):
+                warnings.warn('the {} of callback {} holds objects other than plain values and tensors, so it is not '
+                              'saved in the checkpoint'.format(what, _name(callback)), stacklevel=3)
+        entries.append({'type': _name(callback), 'state': state if _is_plain(state) else None,
+                        'scheduler': scheduler if _is_plain(scheduler) else None})
+    return entries
+
+
+def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
+    """Save the model, the optimizer, the history and the callbacks' states to ``path``, on global rank 0 only.
+
+    Ranks other than 0 return at once without touching ``path``, whose directory need exist only on
+    rank 0's machine.
 
     Example: ::
 
@@ -85,27 +90,30 @@ def save_checkpoint(path, model, optimizer=None, history=()):
         True
 
     Args:
-        path (str): the checkpoint file; its directory must exist
+        path (str): the checkpoint file; its directory must exist on rank 0
         model (torch.nn.Module): the model, plain or DistributedDataParallel (saved unwrapped)
         optimizer (torch.optim.Optimizer): its optimizer, or None
         history (list): the Trial's ``state[torchbearer.HISTORY]``: one dict of metrics per epoch done
+        callbacks (torchbearer.callbacks.CallbackList): the Trial's ``state[torchbearer.CALLBACK_LIST]``, whose
+            states (torchbearer's ``state_dict``) and learning-rate schedulers are saved; None for none
 
     Returns:
         bool: True on the rank that wrote the file (global rank 0), False elsewhere
 
     Raises:
-        ValueError: the directory of ``path`` does not exist
+        ValueError: on rank 0, the directory of ``path`` does not exist
     """
+    if comm.rank() != 0:
+        return False
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValueError('the directory of the checkpoint path {!r} does not exist; create it first'.format(path))
-    if comm.rank() != 0:
-        return False
     payload = {
         'format': FORMAT,
         'model': unwrap(model).state_dict(),
         'optimizer': None if optimizer is None else optimizer.state_dict(),
         'history': [{str(k): _plain(v) for k, v in entry.items()} for entry in history],
+        'callbacks': _callback_states(callbacks),
         'world_size': comm.world_size(),
     }
     _remove_stale_temporaries(path)
@@ -113,12 +121,57 @@ def save_checkpoint(path, model, optimizer=None, history=()):
     return True
 
 
+def _read(path):
+    """The bytes of ``path`` on every rank, read by rank 0 alone and broadcast (None where rank 0 has no file)."""
+    data = None
+    if comm.rank() == 0 and os.path.isfile(path):
+        with open(path, 'rb') as f:
+            data = f.read()
+    if comm.world_size() == 1:
+        return data
+    device = comm._comm_device(torch.device('cpu'))
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if size.item() < 0:
+        return None
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data is not None else \
+        torch.empty(size.item(), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, 0)
+    return data if data is not None else buffer.cpu().numpy().tobytes()
+
+
+def _restore_callbacks(trial, entries):
+    callbacks = list(trial.state[torchbearer.CALLBACK_LIST])
+    names = [_name(c) for c in callbacks]
+    if names != [e['type'] for e in entries] and comm.rank() == 0:  # other ranks silence output callbacks
+        warnings.warn("the Trial's callbacks differ from those saved ({} saved, {} now); each state is restored only "
+                      'where the class at its position matches'.format(len(entries), len(callbacks)), stacklevel=3)
+    schedulers = {}
+    for i, (callback, entry) in enumerate(zip(callbacks, entries)):
+        if names[i] != entry['type']:
+            continue
+        if entry['state'] is not None:
+            callback.load_state_dict(entry['state'])
+        if entry['scheduler'] is not None:
+            schedulers[i] = entry['scheduler']
+    keepers = [c for c in callbacks if isinstance(c, Checkpoint)]
+    for keeper in keepers:
+        keeper.pending_schedulers = schedulers
+    if schedulers and not keepers:
+        warnings.warn('the checkpoint holds learning-rate scheduler states, which a Checkpoint callback in the Trial '
+                      'restores when the schedulers are rebuilt at the start of run(); the Trial has none, so the '
+                      'schedulers start afresh', stacklevel=3)
+
+
 def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='cpu'):
     """Load a checkpoint written by :func:`save_checkpoint` or :class:`Checkpoint`, on any world size.
 
-    Restores the model and optimizer given, or those of ``trial``; for a Trial also its history,
-    so that ``trial.run(epochs)`` goes on from the next global epoch. Every rank loads the same
-    file; the world size may differ from the one that saved it.
+    Restores the model and optimizer given, or those of ``trial``; for a Trial also its history, so
+    that ``trial.run(epochs)`` goes on from the next global epoch, its callbacks' states (through
+    torchbearer's ``Callback.load_state_dict``: EarlyStopping's counters, ...) and, once ``run()`` has
+    rebuilt them, its learning-rate schedulers (by the Trial's :class:`Checkpoint` callback). Only
+    global rank 0 reads ``path``; the others receive its bytes. The world size may differ from the one
+    that saved it.
 
     Example: ::
 
@@ -130,24 +183,28 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
         [{'loss': 0.5}]
 
     Args:
-        path (str): the checkpoint file
+        path (str): the checkpoint file, on rank 0's machine
         model (torch.nn.Module): a model to restore (plain or DistributedDataParallel)
         optimizer (torch.optim.Optimizer): an optimizer to restore
-        trial (torchbearer.Trial): a Trial whose model, optimizer and history are restored
+        trial (torchbearer.Trial): a Trial whose model, optimizer, history and callbacks are restored
         map_location: as for :func:`torch.load`; ``'cpu'`` by default
 
     Returns:
-        dict: the checkpoint: ``'model'``, ``'optimizer'``, ``'history'``, ``'world_size'``
+        dict: the checkpoint: ``'model'``, ``'optimizer'``, ``'history'``, ``'callbacks'``, ``'world_size'``
 
     Raises:
-        ValueError: ``path`` does not exist
+        ValueError: ``path`` does not exist on rank 0 (raised on every rank)
         RuntimeError: the file is not a checkpoint of this package, or holds objects that
             ``weights_only`` loading refuses (it may carry code: never load untrusted files otherwise)
+
+    .. warning:: A synchronization point in a job of several ranks: every rank must call it.
     """
-    if not os.path.isfile(path):
-        raise ValueError('no checkpoint at {!r}; pass the path given to Checkpoint or save_checkpoint'.format(path))
+    data = _read(path)
+    if data is None:
+        raise ValueError('no checkpoint at {!r} on rank 0; pass the path given to Checkpoint or save_checkpoint'.format(
+            path))
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise RuntimeError('checkpoint {!r} holds objects other than tensors and plain values, which weights_only '
                            'loading refuses ({}); load only checkpoints written by torchbearer_dist from a source you '
@@ -159,6 +216,7 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
         model = trial.state[torchbearer.MODEL] if model is None else model
         optimizer = trial.state[torchbearer.OPTIMIZER] if optimizer is None else optimizer
         trial.state[torchbearer.HISTORY] = [dict(entry) for entry in payload['history']]
+        _restore_callbacks(trial, payload.get('callbacks', []))
     if model is not None:
         unwrap(model).load_state_dict(payload['model'])
     if optimizer is not None and payload['optimizer'] is not None:
@@ -170,28 +228,35 @@ class Checkpoint(Callback):
     """Save a crash-safe checkpoint every ``every`` epochs, on global rank 0 only.
 
     The file is replaced atomically, so killing the job at any moment leaves the previous
-    checkpoint loadable. Resume with :func:`load_checkpoint` before ``trial.run``, on any world size.
+    checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too. Resume
+    with :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores
+    the schedulers once ``run()`` has rebuilt them, before the first epoch. At the start of training
+    rank 0 checks that the directory of ``path`` exists, and every rank raises if it does not.
 
     Example:
 
         .. code-block:: python
 
             trial = Trial(model, optimizer, loss, callbacks=[Checkpoint('run.pt'), *distributed_callbacks()])
-            if os.path.exists('run.pt'):
-                load_checkpoint('run.pt', trial=trial)
+            if resuming:
+                load_checkpoint('run.pt', trial=trial)  # every rank; only rank 0 reads the file
             trial.with_generators(train_loader).run(10)  # goes on after the last saved epoch
 
     Args:
-        path (str): the checkpoint file
+        path (str): the checkpoint file, on rank 0's machine
         every (int): save after every ``every``-th epoch (counted globally, from 1)
 
     Raises:
-        ValueError: ``every`` is not a positive integer
+        ValueError: ``every`` is not a positive integer; at the start of ``run()``, the directory of
+            ``path`` does not exist on rank 0
 
     State Requirements:
         - :attr:`torchbearer.state.MODEL`: the model to save
         - :attr:`torchbearer.state.OPTIMIZER`: the optimizer to save
         - :attr:`torchbearer.state.HISTORY`: the epochs done
+        - :attr:`torchbearer.state.CALLBACK_LIST`: the callbacks whose states are saved
+
+    .. warning:: A synchronization point at the start of each ``run()`` (the directory check).
     """
 
     def __init__(self, path, every=1):
@@ -202,8 +267,29 @@ class Checkpoint(Callback):
             raise ValueError('path should be a file path, but given {!r}'.format(path))
         self.path = os.fspath(path)
         self.every = every
+        self.pending_schedulers = {}
+        self._checked = False
+
+    def on_start(self, state):
+        self._checked = False
+
+    def on_start_training(self, state):
+        if self._checked:  # once per run(), in training only: evaluate() and predict() never save
+            return
+        self._checked = True
+        missing = comm.rank() == 0 and not os.path.isdir(os.path.dirname(os.path.abspath(self.path)))
+        if comm.any_rank(missing):
+            raise ValueError('the directory of the checkpoint path {!r} does not exist on rank 0; create it there '
+                             'first'.format(self.path))
+
+    def on_start_epoch(self, state):
+        callbacks = list(state[torchbearer.CALLBACK_LIST])
+        for i, scheduler_state in sorted(self.pending_schedulers.items()):
+            callbacks[i]._scheduler.load_state_dict(scheduler_state)  # see _callback_states
+        self.pending_schedulers = {}
 
     def on_checkpoint(self, state):
         history = state[torchbearer.HISTORY]
         if len(history) % self.every == 0:
-            save_checkpoint(self.path, state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history)
+            save_checkpoint(self.path, state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history,
+                            state[torchbearer.CALLBACK_LIST])

@@ -35,7 +35,8 @@ class DistEnv:
         backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``
         timeout (datetime.timedelta): bound for rendezvous and for every collective
         init_method (str or None): a ``file://`` URL when the job meets through a shared file
-        source (str): where the values came from: ``'arguments'``, ``'torchrun'``, ``'slurm'`` or ``'default'``
+        source (str): where the values came from: ``'arguments'``, ``'torchrun'``, ``'openmpi'``, ``'pmi'``,
+            ``'slurm'`` or ``'default'`` (no launcher: a job of one)
     """
     rank: int
     world_size: int
@@ -75,15 +76,35 @@ def _as_int(name, value, flag):
     raise ValueError('{} should be an integer, but given {!r}; pass {} as a whole number'.format(name, value, flag))
 
 
-def default_backend():
-    """The backend this process should use: ``'nccl'`` when it has a CUDA device, ``'gloo'`` otherwise.
+def default_backend(device=None, cuda_available=None):
+    """The backend when none is asked for: ``'nccl'`` for a model on CUDA, ``'gloo'`` otherwise.
+
+    Having a GPU is no reason for nccl: CPU tensors fail under it. :func:`torchbearer_dist.launch`
+    and :func:`torchbearer_dist.process_group` start before any model exists, so they use gloo
+    unless given ``backend='nccl'``; pass ``backend=default_backend(model)`` to follow the model.
+
+    Example: ::
+
+        >>> default_backend(torch.nn.Linear(2, 1)), default_backend('cuda:0', cuda_available=True)
+        ('gloo', 'nccl')
+
+    Args:
+        device (torch.nn.Module or torch.device or str): the model, or its device; None if not known
+        cuda_available (bool): whether this process sees CUDA; by default :func:`torch.cuda.is_available`
 
     Returns:
         str: the backend name
     """
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return 'nccl'
-    return 'gloo'
+    if isinstance(device, torch.nn.Module):
+        tensor = next(iter(device.parameters()), None)
+        if tensor is None:
+            tensor = next(iter(device.buffers()), None)
+        device = None if tensor is None else tensor.device
+    if device is None:
+        return 'gloo'
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return 'nccl' if cuda_available and torch.device(device).type == 'cuda' else 'gloo'
 
 
 def _timeout(timeout, environ):
@@ -138,9 +159,12 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     """Work out this process's place in the job and check every value, without touching the network.
 
     Explicit arguments win. Missing values come from the environment that torchrun sets
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), then from SLURM's
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), then from OpenMPI's
+    ``mpirun`` (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``),
+    then from MPICH's PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``), then from SLURM's
     (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``). With none of these the process is a job
-    of one: rank 0 of 1.
+    of one: rank 0 of 1. Under mpirun and PMI the address of rank 0 comes from ``host`` or
+    ``MASTER_ADDR``.
 
     Example: ::
 
@@ -153,12 +177,13 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         world_size (int): number of processes, at least 1
         host (str): address or name of the machine that runs rank 0
         port (int): port of the rendezvous store on ``host``, in 1..65535
-        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; by default nccl with CUDA, gloo otherwise
+        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; gloo by default, see
+            :func:`torchbearer_dist.env.default_backend`
         timeout (float or datetime.timedelta): bound for rendezvous and collectives, in seconds;
             by default :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
         init_method (str): ``'file:///shared/path'`` to meet through a file on a shared filesystem
             instead of a TCP store; ``'env://'`` and ``'tcp://host:port'`` are also understood
-        local_rank (int): rank on this machine; by default ``LOCAL_RANK``, ``SLURM_LOCALID`` or ``rank``
+        local_rank (int): rank on this machine; by default the launcher's (``LOCAL_RANK``, ...) or ``rank``
         environ (dict): the environment to read, ``os.environ`` by default
 
     Returns:
@@ -174,6 +199,14 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
             source = 'torchrun'
             rank, world_size = _env_int('RANK', environ), _env_int('WORLD_SIZE', environ)
             local_rank = _env_int('LOCAL_RANK', environ) if local_rank is None else local_rank
+        elif 'OMPI_COMM_WORLD_RANK' in environ or 'OMPI_COMM_WORLD_SIZE' in environ:
+            source = 'openmpi'  # before SLURM: mpirun inside an allocation inherits the batch step's SLURM_*
+            rank, world_size = _env_int('OMPI_COMM_WORLD_RANK', environ), _env_int('OMPI_COMM_WORLD_SIZE', environ)
+            local_rank = _env_int('OMPI_COMM_WORLD_LOCAL_RANK', environ) if local_rank is None else local_rank
+        elif 'PMI_RANK' in environ and 'PMI_SIZE' in environ:
+            source = 'pmi'  # MPICH's and Intel MPI's mpiexec (Hydra), srun --mpi=pmi2
+            rank, world_size = _env_int('PMI_RANK', environ), _env_int('PMI_SIZE', environ)
+            local_rank = _env_int('MPI_LOCALRANKID', environ) if local_rank is None else local_rank
         elif 'SLURM_PROCID' in environ and 'SLURM_NTASKS' in environ:
             source = 'slurm'
             rank, world_size = _env_int('SLURM_PROCID', environ), _env_int('SLURM_NTASKS', environ)

@@ -151,7 +151,7 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         kwargs (dict): keyword arguments for ``fn``
         host (str): address the rendezvous store listens on
         port (int): port of the store; a free one by default
-        backend (str): ``'gloo'`` or ``'nccl'``; by default nccl with CUDA, gloo otherwise
+        backend (str): ``'gloo'`` (the default) or ``'nccl'``
         timeout (float): seconds for rendezvous and each collective
         deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
         grace (float): seconds ranks get to exit after SIGTERM before SIGKILL

@@ -1,58 +1,38 @@
-"""Global epoch metrics: every rank reports the figures of the union of all ranks' data."""
+"""Global epoch metrics and predictions: every rank reports the figures of the union of all ranks' samples.
+
+The aggregation itself lives in :mod:`torchbearer_dist.aggregators`; this module holds the callback
+that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
+"""
 import torch
+import torch.distributed as dist
 import torchbearer
 from torch.utils.data import DistributedSampler
 from torchbearer import Callback
+from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
-from torchbearer_dist import comm
-
-
-class _GlobalMetricList:
-    """Wraps a Trial's MetricList so that epoch metrics are averaged over ranks, weighted by samples."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.samples = 0
-        self.last = {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __str__(self):
-        return str(self.inner)
-
-    def reset(self, state):
-        self.samples = 0
-        self.last = {}
-        return self.inner.reset(state)
-
-    def process(self, state):
-        n = _batch_size(state)
-        if n == 0:
-            return {}
-        self.samples += n
-        self.last = self.inner.process(state)
-        return self.last
-
-    def process_final(self, state):
-        # The last batch's running figures (running_loss, ...) stay in the epoch's metrics: reduce them too,
-        # so that every rank reports, logs and checkpoints on the same numbers.
-        values = {k: v for k, v in self.last.items() if k.startswith('running_')}
-        values.update(self.inner.process_final(state))
-        scalars = {k: v for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()}
-        for name, value in comm.weighted_means(scalars, self.samples).items():
-            original = scalars[name]
-            values[name] = torch.tensor(value, dtype=original.dtype) if isinstance(original, torch.Tensor) else value
-        return values
+from torchbearer_dist import aggregators, comm, gather
+from torchbearer_dist.data import distributed_sampler
 
 
-def _batch_size(state):
+def _leading(value):
+    if isinstance(value, torch.Tensor):
+        return value.size(0) if value.dim() > 0 else None
+    if isinstance(value, (list, tuple)) and value:
+        return _leading(value[0])
+    if isinstance(value, dict) and value:
+        return _leading(next(iter(value.values())))
+    return None
+
+
+def batch_size(state):
+    """The number of samples of the current batch: the first dimension of the targets, else of the inputs.
+
+    Inputs and targets may be tensors, or lists, tuples or dicts of them (the first entry counts).
+    """
     for key in (torchbearer.Y_TRUE, torchbearer.X):
-        value = state.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.size(0)
+        n = _leading(state.get(key))
+        if n is not None:
+            return n
     return 1
 
 
@@ -61,53 +41,144 @@ def _trim(value, keep):
         return value[:keep]
     if isinstance(value, (list, tuple)):
         return type(value)(_trim(v, keep) for v in value)
+    if isinstance(value, dict):
+        return {k: _trim(v, keep) for k, v in value.items()}
     return value
 
 
-class ReduceMetrics(Callback):
-    """Report epoch metrics over the union of all ranks' data, identical on every rank.
+def _predicting(callbacks):
+    """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
+    while callbacks is not None:
+        if isinstance(getattr(callbacks, 'callback', None), AggregatePredictions):
+            return True
+        callbacks = getattr(callbacks, 'callback_list', None)
+        callbacks = callbacks if hasattr(callbacks, 'callback') else None
+    return False
 
-    Each epoch metric that is a number (loss, acc, and any averaging torchbearer metric) is averaged
-    over ranks, weighted by the samples each rank saw, so the printed figures equal those over all
-    the data. The last batch's running figures (``running_loss``, ...), which torchbearer keeps in the
-    epoch's metrics, are averaged in the same reduction, so every rank holds the same history. Under a
-    padding DistributedSampler, validation drops the repeated samples, so each sample counts exactly once.
+
+class ReduceMetrics(Callback):
+    """Report epoch metrics over the union of all ranks' samples, identical on every rank, and gather predictions.
+
+    What each figure is, with N ranks at batch B:
+
+    - **Loss and every averaging metric** (torchbearer's ``Mean``: loss, acc, mse, any ``@mean``
+      metric): the per-sample mean over the union of all ranks' samples. A batch-mean value such as
+      the loss counts once for each sample of its batch, so a ragged last batch weighs what it holds.
+      This is what one process at N x B reports whenever its batches are all full; torchbearer alone
+      averages batch means with equal weights, which differs from the per-sample mean only when the
+      batches differ in size. The same definition holds in a job of one process, so a Trial reports
+      the same figures on one rank and on N.
+    - ``Std`` / ``Var``: over the union of every rank's values.
+    - **Metrics that are not means** (torchbearer's ``EpochLambda``, such as roc_auc): computed on the
+      outputs of all ranks, gathered, never averaged.
+    - ``running_`` figures: the last running value of each rank, averaged over ranks.
+    - Any other numeric figure: kept where every rank has the same (epoch, lr), else averaged over
+      ranks weighted by their samples.
+
+    Under a padding DistributedSampler, validation and prediction drop the repeated samples, so each
+    sample counts exactly once. ``Trial.predict()`` on a loader with a DistributedSampler returns, on
+    every rank, the predictions of the whole dataset in dataset order (each sample once), as one
+    process would. ``evaluate()`` and ``predict()`` are collectives: each first checks that every
+    rank has joined, and a rank calling one alone raises instead of waiting in a reduction.
 
     Example: ::
 
         >>> from torchbearer_dist import ReduceMetrics
         >>> trial = Trial(torch.nn.Linear(2, 1), metrics=['loss'], callbacks=[ReduceMetrics()])
 
-    State Requirements:
-        - :attr:`torchbearer.state.METRIC_LIST`: wrapped on init
-        - :attr:`torchbearer.state.X`, :attr:`torchbearer.state.Y_TRUE`: counted per batch
+    Args:
+        gather_predictions (bool): ``False`` makes ``predict()`` return only this rank's own predictions
 
-    .. warning:: A synchronization point at the end of each training and validation pass.
+    State Requirements:
+        - :attr:`torchbearer.state.METRIC_LIST`: its aggregators are replaced at each pass start
+        - :attr:`torchbearer.state.X`, :attr:`torchbearer.state.Y_TRUE`: counted per batch
+        - :attr:`torchbearer.state.FINAL_PREDICTIONS`: gathered at the end of ``predict()``
+
+    .. warning:: A synchronization point at the end of each training and validation pass, and at the
+        start of ``evaluate()`` and ``predict()``: every rank must call them.
     """
 
-    def __init__(self):
+    def __init__(self, gather_predictions=True):
         super().__init__()
-        self._remaining = None
+        if not isinstance(gather_predictions, bool):
+            raise ValueError('gather_predictions should be True or False, but given {!r}'.format(gather_predictions))
+        self.gather_predictions = gather_predictions
+        self._pass = aggregators.Pass()
+        self._remaining = self._sampler = None
+        self._trained = self._predicting = False
 
-    def on_init(self, state):
-        metrics = state[torchbearer.METRIC_LIST]
-        if not isinstance(metrics, _GlobalMetricList):
-            state[torchbearer.METRIC_LIST] = _GlobalMetricList(metrics)
+    def on_start(self, state):
+        self._trained = False
+
+    def _start_pass(self, state, training):
+        self._pass.training, self._pass.samples = training, 0
+        aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
+
+    def on_start_training(self, state):
+        self._trained = True
+        self._start_pass(state, True)
+
+    def on_sample(self, state):
+        self._pass.batch = batch_size(state)
+        self._pass.samples += self._pass.batch
 
     def on_start_validation(self, state):
+        self._predicting = _predicting(state[torchbearer.CALLBACK_LIST])
+        if not self._trained and comm.world_size() > 1:
+            _check_in('predict' if self._predicting else 'evaluate')
+        self._start_pass(state, False)
         self._remaining = None
-        sampler = getattr(state.get(torchbearer.GENERATOR), 'sampler', None)
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-            total = len(sampler.dataset)
-            self._remaining = len(range(sampler.rank, total, sampler.num_replicas))
+        self._sampler = distributed_sampler(state.get(torchbearer.GENERATOR))
+        if isinstance(self._sampler, DistributedSampler) and not self._sampler.drop_last:
+            total = len(self._sampler.dataset)
+            self._remaining = len(range(self._sampler.rank, total, self._sampler.num_replicas))
 
     def on_sample_validation(self, state):
-        if self._remaining is None:
+        n = batch_size(state)
+        if self._remaining is not None:
+            keep = min(n, self._remaining)
+            self._remaining -= keep
+            if keep < n:
+                for key in (torchbearer.X, torchbearer.Y_TRUE):
+                    if key in state:
+                        state[key] = _trim(state[key], keep)
+                n = keep
+        self._pass.batch = n
+        self._pass.samples += n
+
+    def on_end_validation(self, state):
+        if not (self._predicting and self.gather_predictions and isinstance(self._sampler, DistributedSampler)):
             return
-        n = _batch_size(state)
-        keep = min(n, self._remaining)
-        self._remaining -= keep
-        if keep < n:
-            for key in (torchbearer.X, torchbearer.Y_TRUE):
-                if key in state:
-                    state[key] = _trim(state[key], keep)
+        if comm.world_size() == 1:
+            return
+        predictions = state.get(torchbearer.FINAL_PREDICTIONS)
+        if isinstance(predictions, list) and not predictions:
+            predictions = None  # no batch on this rank
+        if predictions is not None and not isinstance(predictions, torch.Tensor):
+            raise ValueError('predict() can gather only tensor predictions, but the model returned {}; return one '
+                             'tensor, or pass ReduceMetrics(gather_predictions=False)'.format(type(predictions[0])))
+        state[torchbearer.FINAL_PREDICTIONS] = gather.gather_predictions(predictions, list(self._sampler))
+
+
+def _check_in(what):
+    """Before the first collective of ``evaluate()`` or ``predict()``: fail clearly if a rank is missing.
+
+    Waits at most the rendezvous timeout of the job (its ``meet_timeout`` where the job has one, else its
+    ``timeout``; torch's default for a group started without torchbearer_dist).
+    """
+    if dist.get_backend() != 'gloo':
+        return  # monitored_barrier is gloo's: under nccl a missing rank shows as the collective timeout
+    from torchbearer_dist import rendezvous  # imported here: a callback module need not load the socket code
+    env = rendezvous.current_env()
+    timeout = None if env is None else getattr(env, 'meet_timeout', env.timeout)
+    try:
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError('{}() is a collective that every rank must call, but not every rank joined rank {} within '
+                           '{} s ({}); call {}() on every rank'.format(what, comm.rank(), _seconds(timeout), detail,
+                                                                      what)) from None
+
+
+def _seconds(timeout):
+    return 'the default timeout' if timeout is None else '{:g}'.format(timeout.total_seconds())

@@ -221,7 +221,7 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         world_size (int): number of processes
         host (str): address of the machine that runs rank 0
         port (int): port of the rendezvous store
-        backend (str): ``'gloo'`` or ``'nccl'``; nccl when this process has CUDA, by default
+        backend (str): ``'gloo'`` (the default) or ``'nccl'``
         timeout (float or datetime.timedelta): bound in seconds for rendezvous and collectives
         init_method (str): ``'file:///shared/path'`` to meet through a shared filesystem
         local_rank (int): rank on this machine, selects the GPU
