@@ -128,7 +128,8 @@ class AllReduceGradients(AgreeOnStop):
         compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in; or
             ``'powersgd'``: gradient matrices travel as rank-``powersgd_rank`` factors with error
             feedback (see :class:`~torchbearer_dist.PowerSGD`), for links slower than the compute;
-            the average is then approximate, the replicas still identical
+            the average is then approximate, the replicas still identical; it runs at the end of
+            backward (``overlap`` does not apply) and needs parameters of one floating dtype
         powersgd_rank (int): with ``compression='powersgd'``, the rank of the approximation
         powersgd_start_iter (int): with ``compression='powersgd'``, how many first steps are averaged
             uncompressed (by default 2: compression starts at the third step)
