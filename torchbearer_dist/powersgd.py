@@ -127,7 +127,7 @@ class PowerSGD:
 
     @property
     def compressed_numel(self):
-        """Values each rank sends per compressed step: uncompressed gradients plus the P and Q factors."""
+        """How many values each rank sends per compressed step, the uncompressed gradients and both factors."""
         return self.flat.numel() + self.qflat.numel()
 
     def _set_grads(self, views, indices, used):
