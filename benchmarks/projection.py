@@ -57,3 +57,71 @@ def project(phases, step, buckets, batch):
                 rows.append(dict(link_gbit=gbit, wire=wire, machines=machines, step_ms=1e3 * seconds,
                                  samples_per_s=machines * batch / seconds, scaling_efficiency=step / seconds))
     return rows
+
+
+#: Share of a link's rate left for gloo's payload: TCP/IP and Ethernet headers (66 bytes per 1,448), measured
+#: on the shaped links by the qdisc counters (see multihost.py).
+PAYLOAD_FRACTION = 1448 / 1514
+#: DDP's bucket capacities: 1 MiB for the first bucket, 25 MiB after (torch's defaults).
+DDP_FIRST_BYTES, DDP_CAP_BYTES = 2 ** 20, 25 * 2 ** 20
+
+
+def ddp_buckets(sizes, bytes_per_value=4):
+    """DDP's buckets over parameters of ``sizes`` (registration order): reverse order, each closed *after*
+    the tensor that reaches its capacity. Returns lists of registration positions."""
+    buckets, current, filled, cap = [], [], 0, DDP_FIRST_BYTES
+    for position in reversed(range(len(sizes))):
+        current.append(position)
+        filled += sizes[position] * bytes_per_value
+        if filled >= cap:
+            buckets.append(current)
+            current, filled, cap = [], 0, DDP_CAP_BYTES
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def powersgd_values(shapes, rank, min_rate=2.0):
+    """(uncompressed values, P values, Q values) PowerSGD sends for parameters of ``shapes`` at ``rank``."""
+    dense = p = q = 0
+    for shape in shapes:
+        n = shape[0]
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, rank)
+        if len(shape) >= 2 and n * m > min_rate * r * (n + m):
+            p, q = p + n * r, q + m * r
+        else:
+            dense += n * m
+    return dense, p, q
+
+
+def schedule_seconds(phases, step, sends, machines, gbit):
+    """Modelled seconds of a step whose collectives ``sends`` = [(ready seconds after backward starts, bytes)]
+    run one at a time in order, each once ready and once the previous is done; what ends after backward adds."""
+    backward = phases['backward']
+    done = 0.0
+    for ready, nbytes in sends:
+        done = max(ready, done) + ring_seconds(nbytes, machines, gbit * PAYLOAD_FRACTION)
+    return step + max(0.0, done - backward)
+
+
+def contender_sends(name, extra, powersgd_rank=4):
+    """The collectives a contender issues per step, as [(ready seconds after backward starts, bytes)], or None."""
+    sizes, ready, end = extra['sizes'], extra['ready'], extra['phases']['backward']
+    if name.startswith('single'):
+        return None
+    wire = 2 if 'fp16' in name or 'bf16' in name else 4
+    if name == 'per-param-recipe':
+        return [(end, s * 4) for s in reversed(sizes)]
+    if 'powersgd' in name:
+        dense, p, q = powersgd_values(extra['shapes'], powersgd_rank)
+        if name.startswith('ddp'):  # torch's hook: per DDP bucket, all after backward on 2 cores in practice
+            return [(end, dense * 4), (end, p * 4), (end, q * 4)]
+        return [(end, (dense + p + len(sizes) + 1) * 4), (end, q * 4)]
+    if name.startswith('ddp'):
+        return [(max(ready[i] for i in b), sum(sizes[i] for i in b) * wire) for b in ddp_buckets(sizes)]
+    members, overlap = extra.get('members') or [list(reversed(range(len(sizes))))], extra.get('overlap')
+    return [(max(ready[i] for i in b) if overlap else end, (sum(sizes[i] for i in b) + len(b)) * wire)
+            for b in members]

@@ -27,14 +27,15 @@ import torch  # noqa: E402
 
 import torchbearer_dist  # noqa: E402
 
-FULL_STEPS = {'mlp': 150, 'cnn': 16, 'mlp64': 50}
-QUICK_STEPS = {'mlp': 6, 'cnn': 4, 'mlp64': 4}
+FULL_STEPS = {'mlp': 150, 'cnn': 16, 'mlp64': 50, 'cnn1m': 8}
+QUICK_STEPS = {'mlp': 6, 'cnn': 4, 'mlp64': 4, 'cnn1m': 2}
+DEFAULT_MODELS = ['mlp', 'cnn', 'mlp64']
 WORLD_SIZE = 2
 PROJECTION_TABLE = ['model', 'link_gbit', 'wire', 'machines', 'step_ms', 'samples_per_s', 'scaling_efficiency']
 
-TABLE_COLUMNS = ['model', 'contender', 'samples_per_s', 'ratio_to_ddp', 'scaling_efficiency', 'fraction_of_floor',
-                 'step_ms', 'cpu_ms_rank0', 'peak_rss_mib_rank0', 'peak_rss_mib_rank1']
-CSV_COLUMNS = TABLE_COLUMNS + ['samples_per_s_min', 'samples_per_s_max', 'ratio_to_recipe', 'repeats', 'steps',
+TABLE_COLUMNS = ['model', 'contender', 'samples_per_s', 'ratio_to_ddp', 'scaling_efficiency', 'step_ms']
+CSV_COLUMNS = TABLE_COLUMNS + ['fraction_of_floor', 'cpu_ms_rank0', 'peak_rss_mib_rank0', 'peak_rss_mib_rank1',
+                               'samples_per_s_min', 'samples_per_s_max', 'ratio_to_recipe', 'repeats', 'steps',
                                'batch_per_rank', 'threads_per_rank', 'ranks', 'note']
 
 
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--quick', action='store_true', help='a tiny smoke run: few steps, 2 repeats')
     parser.add_argument('--repeats', type=int, default=None, help='timed runs per contender (default 11, quick 2)')
-    parser.add_argument('--models', type=str, default=','.join(contenders.MODELS),
+    parser.add_argument('--models', type=str, default=','.join(DEFAULT_MODELS),
                         help='comma-separated models among {}'.format(', '.join(contenders.MODELS)))
     parser.add_argument('--contenders', type=str, default=','.join(contenders.CONTENDERS),
                         help='comma-separated contenders among {}'.format(', '.join(contenders.CONTENDERS)))
@@ -93,7 +94,8 @@ def summarize(raw, config):
         def sps(name, r, _model=model, _steps=steps):
             spec = contenders.CONTENDERS[name]
             t = seconds.get((_model, name, r))
-            return None if t is None else spec['ranks'] * spec.get('batch', contenders.BATCH) * _steps / t
+            ranks = spec['ranks'] or WORLD_SIZE
+            return None if t is None else ranks * spec.get('batch', contenders.BATCH) * _steps / t
 
         single_step = {r: seconds[(model, 'single-1-thread', r)] / steps
                        for r in repeats if (model, 'single-1-thread', r) in seconds}
@@ -118,7 +120,7 @@ def summarize(raw, config):
                        peak_rss_mib_rank0=max(rss.get((model, name, 0), [0])) or None,
                        peak_rss_mib_rank1=max(rss.get((model, name, 1), [0])) or None,
                        repeats=config['repeats'], steps=steps, batch_per_rank=spec.get('batch', contenders.BATCH),
-                       threads_per_rank=spec.get('threads', 1), ranks=spec['ranks'], note=spec['note'])
+                       threads_per_rank=spec.get('threads', 1), ranks=spec['ranks'] or WORLD_SIZE, note=spec['note'])
             rows.append(row)
         if floor:
             extra = raw[0]['extras'][model]

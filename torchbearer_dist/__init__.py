@@ -23,6 +23,7 @@ from torchbearer_dist.launcher import launch
 from torchbearer_dist.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.metrics import ReduceMetrics
 from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
+from torchbearer_dist.powersgd import PowerSGD
 from torchbearer_dist.rendezvous import current_env
 from torchbearer_dist.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
@@ -36,7 +37,7 @@ def is_main_process():
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
            'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'LR_FACTOR',
-           'PeerFailedError', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS',
+           'PeerFailedError', 'PowerSGD', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS',
            'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm', 'all_gather_rows', 'convert_sync_batchnorm',
            'current_env', 'destroy_process_group', 'distributed_callbacks', 'distributed_loader',
            'gather_predictions', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',

@@ -33,9 +33,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.flat_buckets import check_supported, pack
+from torchbearer_dist.flat_buckets import check_supported, pack, ready_order
+from torchbearer_dist.powersgd import PowerSGD
 
-_COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16}
+_COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
 
 
 def _queue_at_backward_end(callback):
@@ -88,19 +89,25 @@ class GradientBuckets:
     """
 
     def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto',
-                 sync_every=1):
+                 sync_every=1, powersgd=None):
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
             raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
         if compression not in _COMPRESSION:
-            raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
+            raise ValueError("compression should be None, 'fp16', 'bf16' or 'powersgd', but given {!r}".format(
+                compression))
         if not (isinstance(overlap, bool) or overlap == 'auto'):
             raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
         self.compression = _COMPRESSION[compression]
         self.world_size = dist.get_world_size()
         self.params = list(params)
         check_supported(('#{}'.format(i), p) for i, p in enumerate(self.params))
-        self.buckets = pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
-        self.overlap = len(self.buckets) > 1 if overlap == 'auto' else overlap
+        # PowerSGD replaces the buckets: it averages every .grad itself at the end of backward.
+        self.powersgd = PowerSGD(self.params, **(powersgd or {})) if compression == 'powersgd' else None
+        self._caps = (bucket_cap_mb, first_bucket_mb)
+        self.buckets = [] if self.powersgd else pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
+        self.overlap = len(self.buckets) > 1 if overlap == 'auto' else bool(overlap and not self.powersgd)
+        self._ready = [] if self.overlap else None  # first synchronized step: parameters in gradient-ready order
+        self._repack = None
         self.sync_every = sync_every
         self._hooks = []
         self._next = 0
@@ -141,6 +148,12 @@ class GradientBuckets:
 
     def arm(self):
         """A training step starts: its backward passes synchronize (every ``sync_every``-th of them)."""
+        if self._repack is not None:  # buckets in the gradient-ready order measured in the first step
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks, self._next = [], 0
+            self.buckets, self._repack = pack(self._repack, *self._caps), None
+            self.attach()
         if self._unfinished:  # a backward that raised after sending some buckets
             for bucket in self.buckets:
                 bucket.reset()
@@ -206,6 +219,8 @@ class GradientBuckets:
                     view.copy_(grad)
                     param.grad = view
             if not bucket.present[position]:
+                if self._ready is not None:
+                    self._ready.append(param)
                 bucket.present[position] = True
                 bucket.pending -= 1
                 if bucket.pending == 0:
@@ -252,10 +267,10 @@ class GradientBuckets:
 
         .. warning:: A synchronization point: every rank must reduce once per synchronizing step.
         """
+        self.stop = self.powersgd is not None and self.powersgd.reduce(stop=self._stop > 0)
         buckets = self.buckets
         for bucket in buckets[self._next:]:
             self._start(bucket, bucket.fill())
-        self.stop = False
         for bucket in buckets:
             self._wait(bucket)
             bucket.unpack()
@@ -265,6 +280,8 @@ class GradientBuckets:
         self._next = 0
         self._stop = 0.0
         self._unfinished = False
+        if self._ready is not None:  # from the next step on, pack in rank 0's gradient-ready order, as DDP does
+            self._repack, self._ready = ready_order(self.params, self._ready, self.buckets), None
         self.nonfinite = not self.all_finite()
         if self.nonfinite:
             for p in self.params:
@@ -276,8 +293,9 @@ class GradientBuckets:
         A sum is finite whenever every value is, unless it overflows: one fast sum per bucket, and
         the exact elementwise check (ten times slower) only for a bucket whose sum is not finite.
         """
-        for bucket in self.buckets:
-            if not math.isfinite(bucket.grads.sum().item()) and not bool(torch.isfinite(bucket.grads).all()):
+        tensors = [b.grads for b in self.buckets] or [p.grad for p in self.params if p.grad is not None]
+        for grads in tensors:
+            if not math.isfinite(grads.sum().item()) and not bool(torch.isfinite(grads).all()):
                 return False
         return True
 

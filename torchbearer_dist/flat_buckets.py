@@ -7,6 +7,7 @@ copied in densified and handed back sparse, and each bucket ends with one presen
 parameter, plus a stop flag in the last bucket.
 """
 import torch
+import torch.distributed as dist
 
 
 def check_supported(named_params):
@@ -114,19 +115,49 @@ class FlatBucket:
 def pack(params, cap_mb, first_mb):
     """Group ``params`` (in the order their gradients are expected) into :class:`FlatBucket` s.
 
-    A bucket is closed before the tensor that would overflow ``cap_mb`` (``first_mb`` for the first
-    one), and at every change of real dtype or device.
+    A bucket is closed *after* the tensor that fills it to ``cap_mb`` (``first_mb`` for the first
+    one), as DDP does, and before every change of real dtype or device. Closing after, not before,
+    keeps a large tensor that is ready early (the first Linear layer of a CNN, whose gradient comes
+    right after the last layer's) in the bucket that leaves during backward, instead of holding it
+    back, with everything else, for the last gradient of backward.
     """
     buckets, current, size = [], [], 0
     cap = first_mb * 2 ** 20 if first_mb else cap_mb * 2 ** 20
     for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap or _real_dtype(p) != _real_dtype(current[0])
-                        or p.device != current[0].device):
+        if current and (_real_dtype(p) != _real_dtype(current[0]) or p.device != current[0].device):
             buckets.append(current)
             current, size, cap = [], 0, cap_mb * 2 ** 20
         current.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_mb * 2 ** 20
     if current:
         buckets.append(current)
     return [FlatBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+
+
+def ready_order(params, ready, buckets):
+    """Rank 0's gradient-ready order of ``params``, shared by one broadcast; None if the buckets follow it already.
+
+    Args:
+        params (list): every parameter, in registration order
+        ready (list): the parameters in the order their gradients arrived in a step on this rank
+        buckets (list of FlatBucket): the current buckets, in sending order
+
+    Returns:
+        list: the parameters in rank 0's order (those that never arrived last, in reverse registration
+        order), or None when the current buckets already hold them in that order
+
+    .. warning:: A synchronization point: every rank must call it at the same step.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    seen = [index[id(p)] for p in ready]
+    arrived = set(seen)
+    unseen = [i for i in reversed(range(len(params))) if i not in arrived]
+    order = torch.tensor(seen + unseen, dtype=torch.int64, device=buckets[0].flat.device)
+    dist.broadcast(order, 0)
+    order = order.tolist()
+    if order == [index[id(p)] for bucket in buckets for p in bucket.params]:
+        return None
+    return [params[i] for i in order]

@@ -64,7 +64,14 @@ class AllReduceGradients(AgreeOnStop):
     Args:
         bucket_cap_mb (float): capacity of a gradient bucket in MiB
         first_bucket_mb (float): capacity of the first bucket sent, small so sending starts early
-        compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in
+        compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in; or
+            ``'powersgd'``: gradient matrices travel as rank-``powersgd_rank`` factors with error
+            feedback (see :class:`~torchbearer_dist.PowerSGD`), for links slower than the compute;
+            the average is then approximate, the replicas still identical; it runs at the end of
+            backward (``overlap`` does not apply) and needs parameters of one floating dtype
+        powersgd_rank (int): with ``compression='powersgd'``, the rank of the approximation
+        powersgd_start_iter (int): with ``compression='powersgd'``, how many first steps are averaged
+            uncompressed (by default 2: compression starts at the third step)
         sync_every (int): all-reduce only on every k-th backward, for gradient accumulation; the
             backward passes in between stay local (like DDP's ``no_sync``). The optimizer must then
             step only after the k-th backward and keep gradients in between, as an accumulating
@@ -89,7 +96,7 @@ class AllReduceGradients(AgreeOnStop):
     """
 
     def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
-                 on_nonfinite='skip', overlap='auto'):
+                 on_nonfinite='skip', overlap='auto', powersgd_rank=4, powersgd_start_iter=2):
         super().__init__()
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
@@ -97,12 +104,18 @@ class AllReduceGradients(AgreeOnStop):
             raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
         if not (isinstance(overlap, bool) or overlap == 'auto'):
             raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
-        if compression not in (None, 'none', 'fp16', 'bf16'):
-            raise ValueError("compression should be None, 'fp16' or 'bf16', but given {!r}".format(compression))
+        if compression not in (None, 'none', 'fp16', 'bf16', 'powersgd'):
+            raise ValueError("compression should be None, 'fp16', 'bf16' or 'powersgd', but given {!r}".format(
+                compression))
+        for name, value, low in (('powersgd_rank', powersgd_rank, 1), ('powersgd_start_iter', powersgd_start_iter, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError('{} should be an integer >= {}, but given {!r}'.format(name, low, value))
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
             raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
         self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
                             overlap=overlap, sync_every=sync_every)
+        if compression == 'powersgd':
+            self.options['powersgd'] = dict(matrix_approximation_rank=powersgd_rank, start_iter=powersgd_start_iter)
         self.sync_every = sync_every
         self.on_nonfinite = on_nonfinite
         self.skipped = 0
