@@ -42,7 +42,7 @@ class DistEnv:
         source (str): where the values came from: ``'arguments'``, ``'torchrun'``, ``'openmpi'``, ``'pmi'``,
             ``'slurm'`` or ``'default'`` (no launcher: a job of one)
         rendezvous_timeout (datetime.timedelta or None): bound for meeting the other ranks and for a
-            peer's silence; None until :func:`with_rendezvous_timeout` sets it (then ``timeout`` is used)
+            peer's silence; None until ``with_rendezvous_timeout()`` sets it (then ``timeout`` is used)
     """
     rank: int
     world_size: int
