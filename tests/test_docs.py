@@ -79,7 +79,8 @@ def test_worker_uses_only_public_api():
 
 def test_own_script_page_covers_what_a_cpu_user_looks_for(built):
     page = re.sub(r'\s+', ' ', _text(built / 'own_script.html'))
-    for text in ('Build the Trial inside the process group', 'distributed_loader(data, batch_size=BATCH_SIZE, shuffle=True)',
-                 'Threads per rank', 'Goyal et al.', 'Checkpoint and resume', 'torchrun --nnodes 2',
+    for text in ('Build the Trial inside the process group',
+                 'distributed_loader(data, batch_size=BATCH_SIZE, shuffle=True)', 'Threads per rank',
+                 'Goyal et al.', 'Checkpoint and resume', 'torchrun --nnodes 2',
                  'ScaleLearningRate'):
         assert text in page, text

@@ -251,7 +251,7 @@ def test_bad_openmpi_variable_is_named():
     (torch.nn.Linear(2, 1).to('meta'), True, 'gloo'),
 ])
 def test_default_backend_follows_the_model_not_the_machine(device, cuda_available, expected):
-    assert torchbearer_dist.env.default_backend(device, cuda_available=cuda_available) == expected
+    assert torchbearer_dist.backends.default_backend(device, cuda_available=cuda_available) == expected
 
 
 def test_launch_and_process_group_default_to_gloo(monkeypatch):

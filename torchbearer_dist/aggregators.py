@@ -26,7 +26,7 @@ def _all_sum(values):
     """Sum float64 tensors over ranks in one all-reduce (shapes equal on every rank)."""
     if comm.world_size() == 1 or not values:
         return values
-    flat = torch.cat([v.reshape(-1) for v in values]).to(comm._comm_device(torch.device('cpu')))
+    flat = torch.cat([v.reshape(-1) for v in values]).to(comm.comm_device(torch.device('cpu')))
     dist.all_reduce(flat)
     flat, out = flat.cpu(), []
     for v in values:
@@ -174,7 +174,7 @@ class _SameOnEveryRank(_Wrapped):
         names = sorted(k for k, v in numbers.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                        or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point())
         local = torch.tensor([float(numbers[k]) for k in names], dtype=torch.float64)
-        both = torch.cat([local, -local]).to(comm._comm_device(torch.device('cpu')))
+        both = torch.cat([local, -local]).to(comm.comm_device(torch.device('cpu')))
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         if torch.equal(both[:len(names)].cpu(), -both[len(names):].cpu()):
             return result  # the same on every rank (epoch, lr, ...)

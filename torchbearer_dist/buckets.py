@@ -1,8 +1,8 @@
 """Bucketed gradient all-reduce: the engine behind :class:`~torchbearer_dist.AllReduceGradients`.
 
-Parameters are packed, in reverse registration order (roughly the order backward produces their
-gradients), into flat buckets of at most ``bucket_cap_mb``. Gradients are copied into their bucket
-and ``param.grad`` becomes a view of it, so the optimizer reads the averaged values in place.
+Parameters are packed into flat buckets of about ``bucket_cap_mb``, each closing after the tensor
+that fills it, as DDP's do: in reverse registration order, then, with overlap, in the gradient-ready
+order rank 0 measured in the first step. ``param.grad`` is a view of its bucket.
 
 **The average is complete when backward returns.** As in DDP's reducer, a hook that fires during
 backward queues an autograd end-of-backward callback; that callback (:meth:`GradientBuckets.reduce`,
@@ -18,8 +18,7 @@ Two ways to notice backward and fill the buckets:
 - *After backward*: one tensor hook on the model's output (the place of DDP's ``_DDPSink``) queues
   the end-of-backward callback, which fills every bucket with one fused copy per bucket. No Python
   runs per parameter. Parameters outside the model (learnable loss terms) get a post-accumulate hook.
-
-``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
+  ``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
 
 The hooks act only while *armed* (between the start of a training step and its end), so a backward
 outside a Trial's training step never starts a collective. Buckets start strictly in index order on
@@ -76,7 +75,8 @@ class GradientBuckets:
         first_bucket_mb (float): capacity of the first bucket to start (the last layers'
             gradients), small so that communication starts early, as in DDP
         compression (str): ``None``, ``'fp16'`` or ``'bf16'``: the dtype gradients travel in;
-            they are averaged back in their own dtype
+            they are averaged back in their own dtype; ``'powersgd'``: :class:`~torchbearer_dist.PowerSGD`
+            averages every gradient instead of the buckets (options in ``powersgd``, a dict)
         overlap (bool or str): ``True`` starts each bucket from autograd hooks during backward,
             ``False`` fills and starts every bucket at the end of backward, ``'auto'`` overlaps only
             when the parameters span more than one bucket
@@ -107,14 +107,10 @@ class GradientBuckets:
         self.buckets = [] if self.powersgd else pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
         self.overlap = len(self.buckets) > 1 if overlap == 'auto' else bool(overlap and not self.powersgd)
         self._ready = [] if self.overlap else None  # first synchronized step: parameters in gradient-ready order
-        self._repack = None
         self.sync_every = sync_every
-        self._hooks = []
-        self._next = 0
-        self._stop = 0.0
+        self._hooks, self._next, self._stop, self._repack = [], 0, 0.0, None
         self._armed = self._in_backward = self._syncing = self._unfinished = False
-        self.backwards = 0  # armed backward passes, local ones included
-        self.began = 0  # backward passes noticed in the current step
+        self.backwards = self.began = 0  # armed backward passes (local ones included); noticed in this step
         self.synced = False  # a backward of the current step synchronized
         self.stop = False  # after a synchronizing backward: some rank asked to stop
         self.nonfinite = False  # after a synchronizing backward: the average held NaN or Inf (grads cleared)

@@ -129,7 +129,7 @@ def _read(path):
             data = f.read()
     if comm.world_size() == 1:
         return data
-    device = comm._comm_device(torch.device('cpu'))
+    device = comm.comm_device(torch.device('cpu'))
     size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     if size.item() < 0:

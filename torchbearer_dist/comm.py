@@ -22,13 +22,14 @@ def rank():
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _device(module):
+def module_device(module):
+    """The device of the module's first parameter or buffer, the CPU for a module without any."""
     for tensor in module.state_dict().values():
         return tensor.device
     return torch.device('cpu')
 
 
-def _comm_device(device):
+def comm_device(device):
     """Where small control tensors live: the model's CUDA device under nccl, the CPU otherwise."""
     if dist.is_initialized() and dist.get_backend() == 'nccl':
         return device if device.type == 'cuda' else torch.device('cuda', torch.cuda.current_device())
@@ -90,7 +91,7 @@ def check_same_model(module, src=0):
         return
     entries = list(module.state_dict().items())
     descriptions = [_describe_entry(name, tensor) for name, tensor in entries]
-    device = _comm_device(_device(module))
+    device = comm_device(module_device(module))
     total = _hash('\n'.join(descriptions))
     (count_max, hash_max), (count_min, hash_min) = _max_and_min([len(entries), total], device)
     if count_max == count_min and hash_max == hash_min:
@@ -209,7 +210,7 @@ def weighted_means(values, weight, device=None):
     names = sorted(values)
     if world_size() == 1 or not names:
         return {name: float(values[name]) for name in names}
-    device = _comm_device(torch.device('cpu')) if device is None else device
+    device = comm_device(torch.device('cpu')) if device is None else device
     (count_max, hash_max), (count_min, hash_min) = _max_and_min([len(names), _hash('\n'.join(names))], device)
     if count_max != count_min or hash_max != hash_min:
         raise RuntimeError('ranks report different metrics ({} here: {}); give every rank the same metrics'.format(
@@ -241,7 +242,7 @@ def reduce_int(value, op='min', device=None):
     """
     if world_size() == 1:
         return int(value)
-    device = _comm_device(torch.device('cpu')) if device is None else device
+    device = comm_device(torch.device('cpu')) if device is None else device
     ops = {'min': dist.ReduceOp.MIN, 'max': dist.ReduceOp.MAX, 'sum': dist.ReduceOp.SUM}
     tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=ops[op])
@@ -255,42 +256,6 @@ def any_rank(flag, device=None):
     """
     return reduce_int(1 if flag else 0, 'max', device) == 1
 
-
-def check_replicas(module, buffers=True):
-    """Check that parameters (and buffers) hold the same values on every rank.
-
-    Each tensor is summarised by two float64 checksums (its sum and a position-weighted sum);
-    one MAX all-reduce of them and their negatives compares every rank at once.
-
-    Args:
-        module (torch.nn.Module): the local replica
-        buffers (bool): also compare buffers (BatchNorm statistics drift apart within a training
-            pass by design, until :class:`~torchbearer_dist.AllReduceGradients` re-broadcasts them)
-
-    Raises:
-        RuntimeError: naming the first tensor whose values differ across ranks
-
-    .. warning:: A synchronization point: every rank must call it.
-    """
-    if world_size() == 1:
-        return
-    entries = list(module.state_dict().items()) if buffers else list(module.named_parameters())
-    sums = []
-    with torch.no_grad():
-        for _, tensor in entries:
-            values = tensor.detach().reshape(-1).to(torch.float64)
-            weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
-            sums.append(torch.stack([values.sum(), (values * weights).sum()]))
-    device = _comm_device(_device(module))
-    local = torch.stack(sums).reshape(-1).to(device) if sums else torch.zeros(0, dtype=torch.float64, device=device)
-    both = torch.cat([local, -local])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    n = local.numel()
-    differs = (both[:n] != -both[n:]).reshape(-1, 2).any(dim=1).tolist()
-    if any(differs):
-        first = differs.index(True)
-        raise RuntimeError("replicas diverged: '{}' differs across ranks (first of {} differing tensors); "
-                           "something updated the model on one rank only".format(entries[first][0], sum(differs)))
 
 
 def unwrap(model):

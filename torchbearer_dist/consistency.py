@@ -1,6 +1,8 @@
 """Keeping the ranks consistent: equal batch counts each epoch, and a check that replicas agree."""
 import warnings
 
+import torch
+import torch.distributed as dist
 import torchbearer
 from torchbearer import Callback
 
@@ -86,7 +88,44 @@ class CheckReplicas(Callback):
     def on_step_training(self, state):
         self._steps += 1
         if self._steps % self.every == 0:
-            comm.check_replicas(unwrap(state[torchbearer.MODEL]), buffers=False)
+            check_replicas(unwrap(state[torchbearer.MODEL]), buffers=False)
 
     def on_end_epoch(self, state):
-        comm.check_replicas(unwrap(state[torchbearer.MODEL]))
+        check_replicas(unwrap(state[torchbearer.MODEL]))
+
+
+def check_replicas(module, buffers=True):
+    """Check that parameters (and buffers) hold the same values on every rank.
+
+    Each tensor is summarised by two float64 checksums (its sum and a position-weighted sum);
+    one MAX all-reduce of them and their negatives compares every rank at once.
+
+    Args:
+        module (torch.nn.Module): the local replica
+        buffers (bool): also compare buffers (BatchNorm statistics drift apart within a training
+            pass by design, until :class:`~torchbearer_dist.AllReduceGradients` re-broadcasts them)
+
+    Raises:
+        RuntimeError: naming the first tensor whose values differ across ranks
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    if comm.world_size() == 1:
+        return
+    entries = list(module.state_dict().items()) if buffers else list(module.named_parameters())
+    sums = []
+    with torch.no_grad():
+        for _, tensor in entries:
+            values = tensor.detach().reshape(-1).to(torch.float64)
+            weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+            sums.append(torch.stack([values.sum(), (values * weights).sum()]))
+    device = comm.comm_device(comm.module_device(module))
+    local = torch.stack(sums).reshape(-1).to(device) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = local.numel()
+    differs = (both[:n] != -both[n:]).reshape(-1, 2).any(dim=1).tolist()
+    if any(differs):
+        first = differs.index(True)
+        raise RuntimeError("replicas diverged: '{}' differs across ranks (first of {} differing tensors); "
+                           "something updated the model on one rank only".format(entries[first][0], sum(differs)))

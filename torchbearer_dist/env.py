@@ -8,8 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
+from torchbearer_dist.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
 
 #: Default bound on each collective, torch's own default for gloo: rank-0-only work between
 #: collectives (a checkpoint to a slow filesystem, a slow first batch) may take that long. A dead or
@@ -23,7 +22,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
 DEFAULT_PORT = 29500
-BACKENDS = ('gloo', 'nccl', 'mpi')
 
 
 @dataclass(frozen=True)
@@ -88,37 +86,6 @@ def _as_int(name, value, flag):
     raise ValueError('{} should be an integer, but given {!r}; pass {} as a whole number'.format(name, value, flag))
 
 
-def default_backend(device=None, cuda_available=None):
-    """The backend when none is asked for: ``'nccl'`` for a model on CUDA, ``'gloo'`` otherwise.
-
-    Having a GPU is no reason for nccl: CPU tensors fail under it. :func:`torchbearer_dist.launch`
-    and :func:`torchbearer_dist.process_group` start before any model exists, so they use gloo
-    unless given ``backend='nccl'``; pass ``backend=default_backend(model)`` to follow the model.
-
-    Example: ::
-
-        >>> default_backend(torch.nn.Linear(2, 1)), default_backend('cuda:0', cuda_available=True)
-        ('gloo', 'nccl')
-
-    Args:
-        device (torch.nn.Module or torch.device or str): the model, or its device; None if not known
-        cuda_available (bool): whether this process sees CUDA; by default :func:`torch.cuda.is_available`
-
-    Returns:
-        str: the backend name
-    """
-    if isinstance(device, torch.nn.Module):
-        tensor = next(iter(device.parameters()), None)
-        if tensor is None:
-            tensor = next(iter(device.buffers()), None)
-        device = None if tensor is None else tensor.device
-    if device is None:
-        return 'gloo'
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    return 'nccl' if cuda_available and torch.device(device).type == 'cuda' else 'gloo'
-
-
 def _timeout(timeout, environ, name='timeout', variable='TORCHBEARER_DIST_TIMEOUT', default=DEFAULT_TIMEOUT):
     if timeout is None:
         seconds = environ.get(variable)
@@ -170,30 +137,23 @@ def with_rendezvous_timeout(env, rendezvous_timeout=None, environ=None):
     return replace(env, rendezvous_timeout=value if given else min(value, env.timeout))
 
 
-def check_backend(backend):
-    """Check that ``backend`` names a backend this process can use.
+#: Launchers in the order their variables are trusted: (source, rank, size, local rank, found when).
+#: OpenMPI comes before SLURM: mpirun inside an allocation inherits the batch step's SLURM_*.
+#: PMI is MPICH's and Intel MPI's mpiexec (Hydra), and srun --mpi=pmi2.
+_LAUNCHERS = (
+    ('torchrun', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', any),
+    ('openmpi', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_RANK', any),
+    ('pmi', 'PMI_RANK', 'PMI_SIZE', 'MPI_LOCALRANKID', all),
+    ('slurm', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', all),
+)
 
-    Args:
-        backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``
 
-    Returns:
-        str: the backend, lower-cased
-
-    Raises:
-        ValueError: when the backend is unknown, not built into this torch, or nccl without CUDA
-    """
-    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
-        raise ValueError('backend should be one of {}, but given {!r}; use gloo on CPUs and nccl on GPUs'.format(
-            ', '.join(BACKENDS), backend))
-    backend = backend.lower()
-    if backend == 'nccl' and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs a CUDA device, but this process sees none; "
-                         "use backend='gloo' on CPU machines")
-    available = {'gloo': dist.is_gloo_available, 'nccl': dist.is_nccl_available, 'mpi': dist.is_mpi_available}
-    if not available[backend]():
-        raise ValueError('backend {!r} is not available in this build of torch {}; use gloo instead'.format(
-            backend, torch.__version__))
-    return backend
+def _from_launcher(environ):
+    """``(source, rank, world_size, local_rank)`` from the first launcher whose variables are set."""
+    for source, rank, size, local, found in _LAUNCHERS:
+        if found(name in environ for name in (rank, size)):
+            return source, _env_int(rank, environ), _env_int(size, environ), _env_int(local, environ)
+    return 'default', 0, 1, None
 
 
 def resolve(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
@@ -220,9 +180,9 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         host (str): address or name of the machine that runs rank 0
         port (int): port of the rendezvous store on ``host``, in 1..65535
         backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; gloo by default, see
-            :func:`torchbearer_dist.env.default_backend`
-        timeout (float or datetime.timedelta): bound for rendezvous and collectives, in seconds;
-            by default :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
+            :func:`torchbearer_dist.backends.default_backend`
+        timeout (float or datetime.timedelta): bound on each collective, in seconds; by default
+            :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
         init_method (str): ``'file:///shared/path'`` to meet through a file on a shared filesystem
             instead of a TCP store; ``'env://'`` and ``'tcp://host:port'`` are also understood
         local_rank (int): rank on this machine; by default the launcher's (``LOCAL_RANK``, ...) or ``rank``
@@ -237,25 +197,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     environ = os.environ if environ is None else environ
     source = 'arguments'
     if rank is None and world_size is None:
-        if 'RANK' in environ or 'WORLD_SIZE' in environ:
-            source = 'torchrun'
-            rank, world_size = _env_int('RANK', environ), _env_int('WORLD_SIZE', environ)
-            local_rank = _env_int('LOCAL_RANK', environ) if local_rank is None else local_rank
-        elif 'OMPI_COMM_WORLD_RANK' in environ or 'OMPI_COMM_WORLD_SIZE' in environ:
-            source = 'openmpi'  # before SLURM: mpirun inside an allocation inherits the batch step's SLURM_*
-            rank, world_size = _env_int('OMPI_COMM_WORLD_RANK', environ), _env_int('OMPI_COMM_WORLD_SIZE', environ)
-            local_rank = _env_int('OMPI_COMM_WORLD_LOCAL_RANK', environ) if local_rank is None else local_rank
-        elif 'PMI_RANK' in environ and 'PMI_SIZE' in environ:
-            source = 'pmi'  # MPICH's and Intel MPI's mpiexec (Hydra), srun --mpi=pmi2
-            rank, world_size = _env_int('PMI_RANK', environ), _env_int('PMI_SIZE', environ)
-            local_rank = _env_int('MPI_LOCALRANKID', environ) if local_rank is None else local_rank
-        elif 'SLURM_PROCID' in environ and 'SLURM_NTASKS' in environ:
-            source = 'slurm'
-            rank, world_size = _env_int('SLURM_PROCID', environ), _env_int('SLURM_NTASKS', environ)
-            local_rank = _env_int('SLURM_LOCALID', environ) if local_rank is None else local_rank
-        else:
-            source = 'default'
-            rank, world_size = 0, 1
+        source, rank, world_size, launched_local = _from_launcher(environ)
+        local_rank = launched_local if local_rank is None else local_rank
     if world_size is None:
         world_size = _env_int('WORLD_SIZE', environ)
         if world_size is None:

@@ -53,7 +53,7 @@ def all_gather_rows(tensor, device=None):
     header = _header(tensor)
     if comm.world_size() == 1:
         return tensor, [header[0]]
-    device = comm._comm_device(torch.device('cpu')) if device is None else device
+    device = comm.comm_device(torch.device('cpu')) if device is None else device
     mine = torch.tensor(header, dtype=torch.int64, device=device)
     headers = [torch.empty_like(mine) for _ in range(comm.world_size())]
     dist.all_gather(headers, mine)
