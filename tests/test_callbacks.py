@@ -381,7 +381,8 @@ def _scenario_overlap_in_backward():
     """With overlap, the last layers' buckets are sent while backward still runs through the first layers."""
     torch.manual_seed(100)
     model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-    reduce = AllReduceGradients(overlap=True, bucket_cap_mb=0.01, first_bucket_mb=0.01)
+    # Buckets close after the tensor that fills them: [last layer], [middle layer], [first layer].
+    reduce = AllReduceGradients(overlap=True, bucket_cap_mb=0.01, first_bucket_mb=0.0001)
     watch = _WatchInputGrad(reduce)
     trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[watch, BroadcastParameters(), reduce], verbose=0)
     trial.with_train_generator(_loader(12)).run(1)

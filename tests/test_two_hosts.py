@@ -18,8 +18,9 @@ from _netns import TwoHosts
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 
 # The example saves the model on rank 0 only; here every rank saves its own copy, to compare them.
-RUN_EXAMPLE = ("import runpy, sys, torchbearer_dist; torchbearer_dist.is_main_process = lambda: True; "
-               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+RUN_EXAMPLE = ("import os, runpy, sys, torchbearer_dist; torchbearer_dist.is_main_process = lambda: True; "
+               "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.fixture

@@ -230,7 +230,7 @@ class GradientBuckets:
             self._next += 1
 
     def _start(self, bucket, missing=False):
-        """Start one bucket's all-reduce (the seam for another reducer, with :meth:`_wait`)."""
+        """Start one bucket's all-reduce; :meth:`_wait` ends it."""
         bucket.missing = missing
         if missing:
             bucket.flags.copy_(torch.tensor(bucket.present, dtype=bucket.flat.dtype))
