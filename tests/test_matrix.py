@@ -131,8 +131,7 @@ ROWS = {
     'CSVLogger': dict(user=lambda m: [CSVLogger(os.path.join(_OUT[0], 'log.csv'))], csv=True),
     'decorated metric': dict(metrics=['loss', 'acc', confidence]),
     'EpochLambda metric': dict(metrics=['loss', torchbearer.metrics.ToDict(torchbearer.metrics.EpochLambda(
-        'peak', _peak, running=False))],
-                               epoch_lambda=True),
+        'peak', _peak, running=False))]),
     'for_steps/for_val_steps': dict(steps=(3, 1)),
     'tied weights': dict(model=_Tied),
     'BatchNorm': dict(model=functools.partial(_mlp, batchnorm=True), batchnorm=True),
@@ -261,15 +260,14 @@ def _numbers(history):
     return [{k: float(v) for k, v in epoch.items() if isinstance(v, (int, float, torch.Tensor))} for epoch in history]
 
 
-def max_differences(ranks, reference, epoch_lambda=False):
+def max_differences(ranks, reference):
     """(largest parameter difference, largest metric difference) of rank 0 from the reference."""
     wide = {True: torch.complex128, False: torch.float64}
     param = max((ranks['state'][k].to(wide[v.is_complex()]) - v.to(wide[v.is_complex()])).abs().max().item()
                 for k, v in reference['state'].items() if v.is_floating_point() or v.is_complex())
     mine, theirs = _numbers(ranks['history']), _numbers(reference['history'])
     assert len(mine) == len(theirs) and [sorted(e) for e in mine] == [sorted(e) for e in theirs]
-    metric = max(abs(a[k] - b[k]) for a, b in zip(mine, theirs) for k in a
-                 if not (epoch_lambda and k in ('peak', 'val_peak')))
+    metric = max(abs(a[k] - b[k]) for a, b in zip(mine, theirs) for k in a)
     return param, metric
 
 
@@ -291,7 +289,7 @@ def test_two_ranks_at_b_equal_one_process_at_2b(matrix, reference_dir, name, ord
     for key in rank0['state']:
         assert torch.equal(rank0['state'][key], rank1['state'][key]), key  # replicas identical
     assert rank0['history'] == rank1['history']
-    param, metric = max_differences(rank0, reference, row.get('epoch_lambda', False))
+    param, metric = max_differences(rank0, reference)
     print('{} [{}]: parameters {:.2e}, metrics {:.2e}'.format(name, order, param, metric))
     assert param <= PARAM_TOL and metric <= METRIC_TOL, (param, metric)
     if row.get('stops'):
@@ -304,8 +302,6 @@ def test_two_ranks_at_b_equal_one_process_at_2b(matrix, reference_dir, name, ord
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason='EpochLambda metrics on the gathered outputs come with the metrics work of issue 8 item 5 '
-                          '(another branch); here rank-local values are averaged', strict=False)
 @pytest.mark.parametrize('order', ORDERS)
 def test_epoch_lambda_metric_is_computed_on_gathered_outputs(matrix, reference_dir, order):
     rank0, _ = scenario_values(matrix, ('EpochLambda metric', order))
