@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ('index', 'tutorial', 'launching', 'own_script')
+PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'troubleshooting')
 WIDTH, HEIGHT = 1366, 900
 #: Pixels a table may reach past the article: furo pads a table's box by 0.2 em for its shadow.
 TABLE_SLACK = 8
