@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.flat_buckets import check_supported, pack, ready_order
+from torchbearer_dist.flat_buckets import check_options, check_supported, pack, ready_order
 from torchbearer_dist.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
@@ -90,13 +90,7 @@ class GradientBuckets:
 
     def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto',
                  sync_every=1, powersgd=None):
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
-            raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
-        if compression not in _COMPRESSION:
-            raise ValueError("compression should be None, 'fp16', 'bf16' or 'powersgd', but given {!r}".format(
-                compression))
-        if not (isinstance(overlap, bool) or overlap == 'auto'):
-            raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
+        check_options(bucket_cap_mb, compression, overlap)
         self.compression = _COMPRESSION[compression]
         self.world_size = dist.get_world_size()
         self.params = list(params)

@@ -10,6 +10,17 @@ import torch
 import torch.distributed as dist
 
 
+def check_options(bucket_cap_mb, compression, overlap):
+    """Raise ValueError, naming the value, for a bad bucket capacity, compression or overlap."""
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+        raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
+    if compression not in (None, 'none', 'fp16', 'bf16', 'powersgd'):
+        raise ValueError("compression should be None, 'fp16', 'bf16' or 'powersgd', but given {!r}".format(
+            compression))
+    if not (isinstance(overlap, bool) or overlap == 'auto'):
+        raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
+
+
 def check_supported(named_params):
     """Raise, naming the parameter, for any parameter whose gradient the buckets cannot average.
 

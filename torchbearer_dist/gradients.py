@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchbearer_dist import comm
 from torchbearer_dist.buckets import GradientBuckets
-from torchbearer_dist.flat_buckets import check_supported
+from torchbearer_dist.flat_buckets import check_options, check_supported
 from torchbearer_dist.stop import AgreeOnStop
 
 #: State key: how many steps were skipped because the averaged gradients were not finite.
@@ -102,16 +102,10 @@ class AllReduceGradients(AgreeOnStop):
             raise ValueError('sync_every should be an integer >= 1, but given {!r}'.format(sync_every))
         if on_nonfinite not in ('skip', 'raise'):
             raise ValueError("on_nonfinite should be 'skip' or 'raise', but given {!r}".format(on_nonfinite))
-        if not (isinstance(overlap, bool) or overlap == 'auto'):
-            raise ValueError("overlap should be True, False or 'auto', but given {!r}".format(overlap))
-        if compression not in (None, 'none', 'fp16', 'bf16', 'powersgd'):
-            raise ValueError("compression should be None, 'fp16', 'bf16' or 'powersgd', but given {!r}".format(
-                compression))
+        check_options(bucket_cap_mb, compression, overlap)
         for name, value, low in (('powersgd_rank', powersgd_rank, 1), ('powersgd_start_iter', powersgd_start_iter, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError('{} should be an integer >= {}, but given {!r}'.format(name, low, value))
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
-            raise ValueError('bucket_cap_mb should be a positive number of MiB, but given {!r}'.format(bucket_cap_mb))
         self.options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression,
                             overlap=overlap, sync_every=sync_every)
         if compression == 'powersgd':
