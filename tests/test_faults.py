@@ -865,13 +865,27 @@ with torchbearer_dist.process_group(rank=rank, world_size=3, host='127.0.0.1', p
 assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
 print('rank', rank, 'total', total.item())
 """
+#: The same job from a script that never tears its group down and exits right after a collective.
+UNDESTROYED_SCRIPT = """
+import sys
+import torch, torch.distributed as dist
+import torchbearer_dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torchbearer_dist.init_process_group(rank=rank, world_size=3, host='127.0.0.1', port=port, timeout=60,
+                                    rendezvous_timeout=20)
+total = torch.ones(1)
+dist.all_reduce(total)
+print('rank', rank, 'total', total.item())
+"""
 
 
 @pytest.mark.slow
-def test_a_users_own_script_exits_0_every_time(tmp_path):
-    """torch 2.14 scripts may abort at exit ("terminate called without an active exception")."""
+@pytest.mark.parametrize('script_text', [USER_SCRIPT, UNDESTROYED_SCRIPT], ids=['process_group', 'never_destroyed'])
+def test_a_users_own_script_exits_0_every_time(tmp_path, script_text):
+    """torch 2.14 scripts may abort at exit ("terminate called without an active exception", 134): a
+    gloo worker or our heartbeat still inside torch when the interpreter finalizes (group.py)."""
     script = tmp_path / 'user.py'
-    script.write_text(USER_SCRIPT)
+    script.write_text(script_text)
     runs = int(os.environ.get('TORCHBEARER_DIST_TEST_EXIT_RUNS', '10'))
     for run in range(runs):
         port = free_port()
@@ -883,6 +897,34 @@ def test_a_users_own_script_exits_0_every_time(tmp_path):
         for rank, ((rc, err), out) in enumerate(zip(results, outputs)):
             assert (rc, out) == (0, 'rank {} total 3.0\n'.format(rank)), 'run {} rank {}: {}'.format(run, rank, err)
             assert 'terminate called' not in err, err
+
+
+def test_watchdog_stop_waits_until_its_store_call_has_returned():
+    """A heartbeat thread left inside a torch store call aborts the process as the call returns at
+    exit ("terminate called without an active exception", exit 134: CI of stop 13, under mpirun).
+
+    Rank 1 of a job whose rank 0 never beats: its heartbeat thread blocks in ``multi_get`` for the
+    client's whole timeout, longer than the old fixed half-second wait of ``stop()``.
+    """
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchbearer_dist.env import resolve, with_rendezvous_timeout
+    from torchbearer_dist.watchdog import Watchdog
+
+    port = free_port()
+    server = dist.TCPStore('127.0.0.1', port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    client = dist.TCPStore('127.0.0.1', port, None, False, timedelta(seconds=2), wait_for_workers=False)
+    env = with_rendezvous_timeout(resolve(rank=1, world_size=2, host='127.0.0.1', port=port, environ={}), 60, {})
+    failures = []
+    watchdog = Watchdog(env, client, failures.append, interval=0.1).start()
+    time.sleep(0.5)  # the heartbeat thread is now waiting for rank 0's counter
+    watchdog.stop()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith('torchbearer_dist-')]
+    assert (alive, failures) == ([], [])
+    del server
 
 
 # --------------------------------------------------------------------------------------------------

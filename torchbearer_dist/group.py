@@ -4,6 +4,7 @@ Nothing here touches signal handlers or the wakeup fd (Ctrl-C handling is opt-in
 :mod:`torchbearer_dist.interrupts`), and ``os.environ`` is left as it was found: the interface
 chosen for gloo is set only while the group is created.
 """
+import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -149,6 +150,20 @@ def _stop_watchdog():
     watchdog, _live['watchdog'] = _live['watchdog'], None
     if watchdog is not None:
         watchdog.stop()
+
+
+@atexit.register
+def _tear_down_at_exit():
+    """Tear down a group that the script left up, so that it exits 0.
+
+    At interpreter exit, a torch thread still holding a tensor (gloo's worker dropping a finished
+    all-reduce, our heartbeat inside a store call) aborts the process when it asks for the GIL:
+    "terminate called without an active exception", exit code 134 (measured: 2 of 30 two-rank
+    scripts that end right after an ``all_reduce`` without destroying their group). Exit handlers
+    run before that point; destroying the group joins those threads.
+    """
+    if rendezvous.current_env() is not None or _live['watchdog'] is not None:
+        destroy_process_group()
 
 
 def destroy_process_group():

@@ -48,11 +48,18 @@ class Watchdog:
         return self
 
     def stop(self):
-        """Stop both threads; wait briefly (a store call blocked on a silent host is left behind)."""
+        """Stop both threads, waiting until a store call in flight has returned.
+
+        A daemon thread still inside a torch call when the interpreter exits aborts the whole
+        process as that call returns ("terminate called without an active exception", exit code
+        134, measured on a finished job). So the wait is bounded by the store's own timeout, not
+        shorter: only a call to a silent host, which does not return at all, is left behind.
+        """
         self._stop.set()
+        bound = self.store.timeout.total_seconds() + self.interval + 1.0
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(0.5)
+                thread.join(bound)
 
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
