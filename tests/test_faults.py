@@ -899,12 +899,12 @@ def test_a_users_own_script_exits_0_every_time(tmp_path, script_text):
             assert 'terminate called' not in err, err
 
 
-def test_watchdog_stop_waits_until_its_store_call_has_returned():
+def test_stopped_watchdog_joins_once_its_store_call_has_returned():
     """A heartbeat thread left inside a torch store call aborts the process as the call returns at
     exit ("terminate called without an active exception", exit 134: CI of stop 13, under mpirun).
 
     Rank 1 of a job whose rank 0 never beats: its heartbeat thread blocks in ``multi_get`` for the
-    client's whole timeout, longer than the old fixed half-second wait of ``stop()``.
+    client's whole timeout, longer than the half-second wait of ``stop()``.
     """
     import threading
     from datetime import timedelta
@@ -921,7 +921,8 @@ def test_watchdog_stop_waits_until_its_store_call_has_returned():
     failures = []
     watchdog = Watchdog(env, client, failures.append, interval=0.1).start()
     time.sleep(0.5)  # the heartbeat thread is now waiting for rank 0's counter
-    watchdog.stop()
+    watchdog.stop()  # a failing rank's short wait
+    watchdog.join()  # the wait at exit
     alive = [t.name for t in threading.enumerate() if t.name.startswith('torchbearer_dist-')]
     assert (alive, failures) == ([], [])
     del server

@@ -17,6 +17,8 @@ from torchbearer_dist.env import resolve, with_rendezvous_timeout
 from torchbearer_dist.watchdog import Watchdog
 
 _live = {'watchdog': None, 'gloo': None, 'cause': None}
+#: Stopped watchdogs whose threads may still be inside a store call; joined at exit.
+_stopped = []
 
 
 def init_process_group(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
@@ -150,20 +152,24 @@ def _stop_watchdog():
     watchdog, _live['watchdog'] = _live['watchdog'], None
     if watchdog is not None:
         watchdog.stop()
+        _stopped[:] = [w for w in _stopped + [watchdog] if w.running()]
 
 
 @atexit.register
 def _tear_down_at_exit():
-    """Tear down a group that the script left up, so that it exits 0.
+    """Leave no torch thread running into interpreter finalization, so that the process exits 0.
 
-    At interpreter exit, a torch thread still holding a tensor (gloo's worker dropping a finished
-    all-reduce, our heartbeat inside a store call) aborts the process when it asks for the GIL:
-    "terminate called without an active exception", exit code 134 (measured: 2 of 30 two-rank
-    scripts that end right after an ``all_reduce`` without destroying their group). Exit handlers
-    run before that point; destroying the group joins those threads.
+    A thread that asks for the GIL once the interpreter finalizes aborts the process: "terminate
+    called without an active exception", exit code 134. Two did, measured: gloo's worker dropping
+    a finished all-reduce (2 of 60 processes of a script that ends right after an ``all_reduce``
+    without destroying its group), and our heartbeat returning from a store call (CI, under
+    mpirun). Exit handlers run before that point: destroy a group the script left up, which joins
+    gloo's threads, and wait for every stopped heartbeat.
     """
     if rendezvous.current_env() is not None or _live['watchdog'] is not None:
         destroy_process_group()
+    while _stopped:
+        _stopped.pop().join()
 
 
 def destroy_process_group():

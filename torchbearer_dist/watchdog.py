@@ -47,15 +47,28 @@ class Watchdog:
             thread.start()
         return self
 
-    def stop(self):
-        """Stop both threads, waiting until a store call in flight has returned.
+    def stop(self, wait=0.5):
+        """Stop both threads, waiting ``wait`` seconds at most; :meth:`join` waits for the rest.
 
-        A daemon thread still inside a torch call when the interpreter exits aborts the whole
-        process as that call returns ("terminate called without an active exception", exit code
-        134, measured on a finished job). So the wait is bounded by the store's own timeout, not
-        shorter: only a call to a silent host, which does not return at all, is left behind.
+        A failing rank reports its cause without waiting for a store call blocked on a silent host.
         """
         self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(wait)
+
+    def running(self):
+        """Whether a thread is still alive, e.g. inside a store call after :meth:`stop`."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    def join(self):
+        """Wait until both threads have ended, that is until a store call in flight has returned.
+
+        A daemon thread still inside a torch call when the interpreter finalizes aborts the whole
+        process as that call returns ("terminate called without an active exception", exit code
+        134, measured on a finished job under mpirun). The wait is bounded by the store's own
+        timeout: only a call to a silent host that never returns is left behind.
+        """
         bound = self.store.timeout.total_seconds() + self.interval + 1.0
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
