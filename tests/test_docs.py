@@ -84,3 +84,31 @@ def test_own_script_page_covers_what_a_cpu_user_looks_for(built):
                  'Goyal et al.', 'Checkpoint and resume', 'torchrun --nnodes 2',
                  'ScaleLearningRate'):
         assert text in page, text
+
+
+def test_docstring_examples_run_as_written():
+    """Every ``>>>`` example of the API reference runs, given what its preamble says is defined."""
+    import doctest
+    import importlib
+    import io
+    import pkgutil
+    from contextlib import redirect_stdout
+
+    import torch
+    from torchbearer import Trial
+
+    model = torch.nn.Linear(784, 10)
+    preamble = dict(torch=torch, Trial=Trial, model=model, loss=torch.nn.CrossEntropyLoss(),
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    failed, examples, report = [], 0, io.StringIO()
+    names = ['torchbearer_dist'] + ['torchbearer_dist.' + info.name
+                                    for info in pkgutil.iter_modules(torchbearer_dist.__path__)]
+    for name in names:
+        with redirect_stdout(report):
+            result = doctest.testmod(importlib.import_module(name), extraglobs=preamble, report=False)
+        examples += result.attempted
+        if result.failed:
+            failed.append(name)
+    assert examples > 20
+    assert failed == [], report.getvalue()[-5000:]
+

@@ -14,8 +14,10 @@ def default_backend(device=None, cuda_available=None):
 
     Example: ::
 
-        >>> default_backend(torch.nn.Linear(2, 1)), default_backend('cuda:0', cuda_available=True)
-        ('gloo', 'nccl')
+        >>> default_backend(torch.nn.Linear(2, 1))
+        'gloo'
+        >>> default_backend('cuda:0', cuda_available=True)
+        'nccl'
 
     Args:
         device (torch.nn.Module or torch.device or str): the model, or its device; None if not known

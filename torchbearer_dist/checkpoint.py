@@ -237,7 +237,8 @@ class Checkpoint(Callback):
 
         .. code-block:: python
 
-            trial = Trial(model, optimizer, loss, callbacks=[Checkpoint('run.pt'), *distributed_callbacks()])
+            callbacks = [Checkpoint('run.pt'), *distributed_callbacks()]
+            trial = Trial(model, optimizer, loss, callbacks=callbacks)
             if resuming:
                 load_checkpoint('run.pt', trial=trial)  # every rank; only rank 0 reads the file
             trial.with_generators(train_loader).run(10)  # goes on after the last saved epoch

@@ -124,8 +124,9 @@ def broadcast_state(module, src=0, method='broadcast'):
 
         .. code-block:: python
 
-            torchbearer_dist.comm.broadcast_state(model)               # collective broadcast
-            torchbearer_dist.comm.broadcast_state(model, method='p2p')  # send from 0, recv elsewhere
+            from torchbearer_dist.comm import broadcast_state
+            broadcast_state(model)                # collective broadcast
+            broadcast_state(model, method='p2p')  # send from 0, recv elsewhere
 
     Args:
         module (torch.nn.Module): the local replica

@@ -91,7 +91,8 @@ def distributed_loader(dataset, batch_size=1, shuffle=False, seed=0, drop_last=F
 
         >>> from torch.utils.data import TensorDataset
         >>> from torchbearer_dist import distributed_loader
-        >>> loader = distributed_loader(TensorDataset(torch.randn(10, 2)), batch_size=4, shuffle=True)
+        >>> dataset = TensorDataset(torch.randn(10, 2))
+        >>> loader = distributed_loader(dataset, batch_size=4, shuffle=True)
         >>> len(loader)  # one process: all 10 samples
         3
 

@@ -20,7 +20,8 @@ def wrap_ddp(model, local_rank=None, **ddp_kwargs):
 
             env = torchbearer_dist.init_process_group(backend='nccl')
             model = torchbearer_dist.wrap_ddp(Net())
-            trial = Trial(model, optimizer, loss, callbacks=torchbearer_dist.distributed_callbacks(ddp=True))
+            callbacks = torchbearer_dist.distributed_callbacks(ddp=True)
+            trial = Trial(model, optimizer, loss, callbacks=callbacks)
             trial.to(model.device)
 
     Args:

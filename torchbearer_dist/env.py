@@ -113,8 +113,8 @@ def with_rendezvous_timeout(env, rendezvous_timeout=None, environ=None):
     Example: ::
 
         >>> from torchbearer_dist.env import resolve, with_rendezvous_timeout
-        >>> env = with_rendezvous_timeout(resolve(rank=0, world_size=2, backend='gloo', timeout=600, environ={}),
-        ...                               environ={})
+        >>> env = resolve(rank=0, world_size=2, backend='gloo', timeout=600, environ={})
+        >>> env = with_rendezvous_timeout(env, environ={})
         >>> env.rendezvous_timeout.total_seconds(), env.timeout.total_seconds()
         (60.0, 600.0)
 
@@ -171,7 +171,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     Example: ::
 
         >>> from torchbearer_dist.env import resolve
-        >>> resolve(rank=1, world_size=2, host='10.0.0.1', port=29500, backend='gloo').address
+        >>> env = resolve(rank=1, world_size=2, host='10.0.0.1', port=29500, backend='gloo')
+        >>> env.address
         '10.0.0.1:29500'
 
     Args:

@@ -85,7 +85,7 @@ def gather_predictions(predictions, indices):
         .. code-block:: python
 
             sampler = DistributedSampler(dataset, shuffle=False)
-            mine = model(x_of_my_shard)                      # rows for list(sampler)[:len(mine)]
+            mine = model(x_of_my_shard)  # rows for list(sampler)[:len(mine)]
             everything = gather_predictions(mine, list(sampler))
 
     Args:

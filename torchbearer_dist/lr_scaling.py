@@ -47,7 +47,8 @@ class ScaleLearningRate(Callback):
         >>> from torchbearer import Trial
         >>> from torchbearer.callbacks import StepLR
         >>> from torchbearer_dist import ScaleLearningRate
-        >>> trial = Trial(model, optimizer, loss, callbacks=[ScaleLearningRate(warmup_epochs=2), StepLR(10)])
+        >>> callbacks = [ScaleLearningRate(warmup_epochs=2), StepLR(10)]
+        >>> trial = Trial(model, optimizer, loss, callbacks=callbacks)
 
     Args:
         reference_batch_size (int): the batch your learning rate was tuned for; scale by the global

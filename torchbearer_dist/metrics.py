@@ -84,7 +84,8 @@ class ReduceMetrics(Callback):
     Example: ::
 
         >>> from torchbearer_dist import ReduceMetrics
-        >>> trial = Trial(torch.nn.Linear(2, 1), metrics=['loss'], callbacks=[ReduceMetrics()])
+        >>> model = torch.nn.Linear(2, 1)
+        >>> trial = Trial(model, metrics=['loss'], callbacks=[ReduceMetrics()])
 
     Args:
         gather_predictions (bool): ``False`` makes ``predict()`` return only this rank's own predictions

@@ -48,7 +48,7 @@ class PowerSGD:
             for x, y in loader:
                 optimizer.zero_grad()
                 loss_fn(model(x), y).backward()
-                powersgd.reduce()        # every p.grad now holds the (approximate) average over ranks
+                powersgd.reduce()  # each p.grad: the (approximate) average over ranks
                 optimizer.step()
 
     Args:

@@ -52,7 +52,8 @@ class AgreeOnStop(Callback):
 
         >>> from torchbearer.callbacks import TerminateOnNaN
         >>> from torchbearer_dist import AgreeOnStop
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[AgreeOnStop(), TerminateOnNaN()])
+        >>> model = torch.nn.Linear(2, 1)
+        >>> trial = Trial(model, callbacks=[AgreeOnStop(), TerminateOnNaN()])
 
     State Requirements:
         - :attr:`torchbearer.state.STOP_TRAINING`: read and set

@@ -183,7 +183,8 @@ def convert_sync_batchnorm(module, process_group=None):
 
             model = torchbearer_dist.convert_sync_batchnorm(Net())
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            trial = Trial(model, optimizer, loss, callbacks=torchbearer_dist.distributed_callbacks())
+            callbacks = torchbearer_dist.distributed_callbacks()
+            trial = Trial(model, optimizer, loss, callbacks=callbacks)
 
     Args:
         module (torch.nn.Module): a model holding BatchNorm layers, or one BatchNorm layer
