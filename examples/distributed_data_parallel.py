@@ -45,7 +45,7 @@ def sync_callbacks(ddp=False):
     """What makes the Trial data-parallel; the same list as
     ``tbd.distributed_callbacks(flatten_images=True, ddp=ddp)``."""
     return [
-        tbd.BroadcastParameters(),  # on init: rank 0's weights everywhere
+        tbd.BroadcastParameters(),  # first epoch: rank 0's weights everywhere
         tbd.SetSamplerEpoch(),  # each epoch: a new shuffle, alike on all ranks
         tbd.EvenBatches(),  # each epoch: the same number of steps everywhere
         tbd.ReduceMetrics(),  # each epoch: metrics over all ranks' samples
