@@ -18,7 +18,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 #: Default bound on meeting the other ranks (connecting to the store, the handshake) and on a
 #: peer's silence (no heartbeat). Override with ``rendezvous_timeout=`` or
-#: ``TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT`` (seconds); it never exceeds the collective timeout.
+#: ``TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT`` (seconds). This default is capped at the collective
+#: timeout; a value given explicitly is used as given.
 DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
 DEFAULT_PORT = 29500

@@ -5,8 +5,8 @@ here rather than by :func:`torch.distributed.init_process_group` so that:
 
 - rank 0 binds the socket itself, on the master address only (torch listens on every interface),
   and a taken port fails at once, naming the port;
-- a rank > 0 gives up after ``timeout`` even when the master port is held by a program that
-  accepts connections and never answers (torch alone waits forever there);
+- a rank > 0 gives up after the rendezvous timeout (1.5 times it and 5 s more when the master port
+  is held by a program that accepts connections and never answers; torch alone waits forever there);
 - a handshake through the store catches, before training, two processes claiming one rank,
   processes that disagree on the world size, and a stale job on the same port.
 """

@@ -39,10 +39,11 @@ class AgreeOnStop(Callback):
     """Make every rank stop at the same step when a callback on any rank stops training.
 
     A callback such as TerminateOnNaN sees only its own rank's loss; if it stopped that rank alone,
-    the others would wait for it in their next collective. A stop set in ``on_step_training`` is
-    held back and shared with every rank, which all stop after the next step; a stop set at the end
-    of an epoch is agreed by one all-reduce. :class:`AllReduceGradients` does this itself, carrying
-    the request in its gradient buckets at no cost; use this one with a DistributedDataParallel model.
+    the others would wait for it in their next collective. Used alone (with a DistributedDataParallel
+    model), it agrees on a stop set in ``on_step_training`` with one small all-reduce per step, and
+    every rank stops after that step. :class:`AllReduceGradients` does this itself at no cost: the
+    request rides in the next step's gradient buckets, and every rank stops after that next step. A
+    stop set at the end of an epoch is agreed by one all-reduce.
 
     It works wherever it sits in the callback list: for the length of each training run it appends a
     small companion to the end of the Trial's callback list, which reads the stop requests of the step
