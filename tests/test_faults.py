@@ -908,7 +908,6 @@ def test_stopped_watchdog_joins_once_its_store_call_has_returned():
     Rank 1 of a job whose rank 0 never beats: its heartbeat thread blocks in ``multi_get`` for the
     client's whole timeout, longer than the half-second wait of ``stop()``.
     """
-    import threading
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -925,8 +924,7 @@ def test_stopped_watchdog_joins_once_its_store_call_has_returned():
     time.sleep(0.5)  # the heartbeat thread is now waiting for rank 0's counter
     watchdog.stop()  # a failing rank's short wait
     watchdog.join()  # the wait at exit
-    alive = [t.name for t in threading.enumerate() if t.name.startswith('torchbearer_dist-')]
-    assert (alive, failures) == ([], [])
+    assert (watchdog.running(), failures) == (False, [])
     del server
 
 
