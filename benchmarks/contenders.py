@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback, Trial
 
 from torchbearer_dist import AllReduceGradients, BroadcastParameters
-from torchbearer_dist.powersgd import PowerSGD
+from torchbearer_dist.sync.powersgd import PowerSGD
 
 BATCH = 64
 CLASSES = 10
@@ -66,7 +66,7 @@ class PerParameterAllReduce(Callback):
 
 
 class PowerSGDGradients(Callback):
-    """Our :class:`~torchbearer_dist.powersgd.PowerSGD` averaging gradients in ``on_backward``."""
+    """Our :class:`~torchbearer_dist.sync.powersgd.PowerSGD` averaging gradients in ``on_backward``."""
 
     def __init__(self, start_iter=POWERSGD_START):
         super().__init__()

@@ -2,7 +2,7 @@
 
 A plain training loop (no Trial) per rank, run by ``python benchmarks/multihost.py --phases`` in the
 namespace hosts. Contenders, interleaved: torch DDP; our bucket engine
-(:class:`~torchbearer_dist.buckets.GradientBuckets`) as configured by default; and the same engine
+(:class:`~torchbearer_dist.sync.buckets.GradientBuckets`) as configured by default; and the same engine
 with the bucket schedule it had before (a bucket closed *before* the tensor that overflows it, no
 reordering). Our engine completes the average at the end of backward, in an autograd callback:
 "wait" is the time spent in that callback, and "backward" the rest of ``loss.backward()``. DDP's
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchbearer_dist.buckets import GradientBuckets
-from torchbearer_dist.flat_buckets import FlatBucket
+from torchbearer_dist.sync.buckets import GradientBuckets
+from torchbearer_dist.sync.flat_buckets import FlatBucket
 
 PHASES = ('forward', 'backward', 'wait', 'optimizer', 'step')
 

@@ -59,7 +59,7 @@ def _trial(model, loader, ddp):
 
 
 def _state(model):
-    return {k: v.detach().clone() for k, v in torchbearer_dist.ddp.unwrap(model).state_dict().items()}
+    return {k: v.detach().clone() for k, v in torchbearer_dist.sync.models.unwrap(model).state_dict().items()}
 
 
 def _train_ranks(kind, batch, steps, convert):

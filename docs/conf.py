@@ -43,7 +43,7 @@ if os.environ.get('TORCHBEARER_DIST_DOCS_ONLINE') == '1':
 def _reexported(app, env, node, contnode):
     """Resolve ``torchbearer_dist.<module>.<name>`` to ``torchbearer_dist.<name>`` where only that is documented.
 
-    Docstrings name objects where they are defined (``torchbearer_dist.env.resolve``); the API
+    Docstrings name objects where they are defined (``torchbearer_dist.runtime.env.resolve``); the API
     reference documents them where users import them from (``torchbearer_dist.resolve``).
     """
     target = node.get('reftarget', '')

@@ -51,7 +51,7 @@ def run_in_step(scenarios):
             results[name] = {'value': fn()}
         except BaseException:
             results[name] = {'error': traceback.format_exc()}
-        if torchbearer_dist.comm.any_rank('error' in results[name]):
+        if torchbearer_dist.sync.collectives.any_rank('error' in results[name]):
             break
     return results
 

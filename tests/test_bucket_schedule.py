@@ -5,7 +5,7 @@ import torchbearer
 from torch import nn
 
 import torchbearer_dist
-from torchbearer_dist.flat_buckets import pack
+from torchbearer_dist.sync.flat_buckets import pack
 
 from _dist import run_in_step, run_workers, scenario_values
 

@@ -147,7 +147,7 @@ def _scenario_unused_and_frozen():
     loader = _loader(8, outputs=2, batch_size=8)
     reduce, record = AllReduceGradients(), _Record()
     trial = Trial(model, _sgd(model), nn.MSELoss(), callbacks=[BroadcastParameters(), reduce, record], verbose=0)
-    torchbearer_dist.comm.broadcast_state(model)  # as the Trial will at its first epoch
+    torchbearer_dist.sync.models.broadcast_state(model)  # as the Trial will at its first epoch
     frozen_before = _snapshot(model.frozen)
     local = _local_grads(model, loader)
     trial.with_train_generator(loader).run(1)

@@ -22,7 +22,7 @@ from torchbearer.callbacks import EarlyStopping, StepLR
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 import torchbearer_dist as tbd
-from torchbearer_dist import checkpoint
+from torchbearer_dist.checkpoint import files
 
 if __name__ != '__main__':
     from _dist import ROOT, child_env, kill_session, run_workers
@@ -63,12 +63,12 @@ def _params(model):
 def _worker_train(path, epochs, resume):
     """Train to ``epochs`` (resuming from ``path`` when asked); count this rank's checkpoint writes."""
     writes = []
-    real = checkpoint._write
-    checkpoint._write = lambda payload, target: (writes.append(target), real(payload, target))
+    real = files._write
+    files._write = lambda payload, target: (writes.append(target), real(payload, target))
     trial, seen = _trial(path)
     loaded = None
     if resume:
-        checkpoint.load_checkpoint(path, trial=trial)
+        files.load_checkpoint(path, trial=trial)
         loaded = _params(trial.state[torchbearer.MODEL])
     trial.run(epochs)
     return dict(writes=len(writes), epochs=seen.seen, params=_params(trial.state[torchbearer.MODEL]), loaded=loaded,
@@ -142,7 +142,7 @@ class _Payload:
 def test_a_checkpoint_carrying_code_is_refused(tmp_path):
     marker = str(tmp_path / 'pwned')
     path = str(tmp_path / 'evil.pt')
-    torch.save({'format': checkpoint.FORMAT, 'model': _Payload(marker)}, path)
+    torch.save({'format': files.FORMAT, 'model': _Payload(marker)}, path)
     with pytest.raises(RuntimeError, match=r"^checkpoint '.*evil\.pt' holds objects other than tensors and plain "
                                            r"values, which weights_only loading refuses"):
         tbd.load_checkpoint(path, model=torch.nn.Linear(1, 1))
@@ -280,15 +280,15 @@ def test_only_rank_0_touches_the_path(tmp_path):
 
 
 def test_stale_temporaries_are_judged_by_host_and_start_time(tmp_path):
-    from torchbearer_dist import atomic
+    from torchbearer_dist.checkpoint import _atomic
     path = str(tmp_path / 'run.pt')
-    host = atomic._host()
-    mine = atomic._temporary(path)
+    host = _atomic._host()
+    mine = _atomic._temporary(path)
     dead = '{}.tmp.{}.{}.{}'.format(path, host, os.getpid(), 1)  # this pid, another start time: reused id
-    elsewhere = '{}.tmp.{}.{}.{}'.format(path, atomic._host().rsplit('-', 1)[0] + '-otherboot', 1, 1)
+    elsewhere = '{}.tmp.{}.{}.{}'.format(path, _atomic._host().rsplit('-', 1)[0] + '-otherboot', 1, 1)
     for name in (mine, dead, elsewhere):
         open(name, 'w').close()
-    atomic.remove_stale_temporaries(path)
+    _atomic.remove_stale_temporaries(path)
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in (mine, elsewhere))
 
 

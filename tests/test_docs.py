@@ -101,8 +101,8 @@ def test_docstring_examples_run_as_written():
     preamble = dict(torch=torch, Trial=Trial, model=model, loss=torch.nn.CrossEntropyLoss(),
                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     failed, examples, report = [], 0, io.StringIO()
-    names = ['torchbearer_dist'] + ['torchbearer_dist.' + info.name
-                                    for info in pkgutil.iter_modules(torchbearer_dist.__path__)]
+    names = ['torchbearer_dist'] + [info.name for info in pkgutil.walk_packages(torchbearer_dist.__path__,
+                                                                                'torchbearer_dist.')]
     for name in names:
         with redirect_stdout(report):
             result = doctest.testmod(importlib.import_module(name), extraglobs=preamble, report=False)

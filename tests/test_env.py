@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import torchbearer_dist
-from torchbearer_dist import rendezvous
-from torchbearer_dist.env import DistEnv, resolve, with_rendezvous_timeout
+from torchbearer_dist.runtime import rendezvous
+from torchbearer_dist.runtime.env import DistEnv, resolve, with_rendezvous_timeout
 
 from _dist import child_env, python, run_command
 
@@ -185,7 +185,7 @@ RANK_SCRIPT = textwrap.dedent('''
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
         inside = os.environ.get('GLOO_SOCKET_IFNAME')
-        gloo = torchbearer_dist.group._live['gloo']
+        gloo = torchbearer_dist.runtime.group._live['gloo']
     print(json.dumps({'rank': env.rank, 'total': total.item(), 'ifname': inside, 'gloo_on': sorted(set(
         ip for ip, _ in gloo)), 'timeout': env.timeout.total_seconds(), 'leaked': sorted(
         set(os.environ.items()) ^ set(before.items()))}))
@@ -251,7 +251,7 @@ def test_bad_openmpi_variable_is_named():
     (torch.nn.Linear(2, 1).to('meta'), True, 'gloo'),
 ])
 def test_default_backend_follows_the_model_not_the_machine(device, cuda_available, expected):
-    assert torchbearer_dist.backends.default_backend(device, cuda_available=cuda_available) == expected
+    assert torchbearer_dist.runtime.backends.default_backend(device, cuda_available=cuda_available) == expected
 
 
 def test_launch_and_process_group_default_to_gloo(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchbearer_dist
-from torchbearer_dist.launcher import free_port
+from torchbearer_dist.runtime.launcher import free_port
 
 from _dist import ROOT, python, run_command
 

@@ -26,7 +26,7 @@ TIMEOUT = 60
 RENDEZVOUS_TIMEOUT = 5
 
 if __name__ != '__main__':  # as a script (one hand-started rank) torch is imported only in main()
-    from torchbearer_dist import rendezvous
+    from torchbearer_dist.runtime import rendezvous
 
     from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, kill_session, run_command, run_workers
     from _netns import TwoHosts
@@ -784,7 +784,7 @@ def _worker_fail_holding_a_work():
     work = dist.all_reduce(torch.ones(1), async_op=True)
     work.wait()
     if dist.get_rank() == 1:  # ``work`` stays referenced from the traceback: destroy_process_group alone
-        raise ValueError('fails holding a Work')  # would leave gloo's connections open (gloo_sockets.py)
+        raise ValueError('fails holding a Work')  # would leave gloo's connections open (_gloo_sockets.py)
     started = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1))
@@ -804,12 +804,12 @@ def _worker_gloo_connections():
     import torch
     import torch.distributed as dist
 
-    from torchbearer_dist import gloo_sockets, group
+    from torchbearer_dist.runtime import _gloo_sockets, group
     dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
-    found = [fd for fd, _ in gloo_sockets.connections(group._live['gloo'], dist.get_rank())]
+    found = [fd for fd, _ in _gloo_sockets.connections(group._live['gloo'], dist.get_rank())]
     foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
     for sock in (accepted, client, listener):
         sock.close()
@@ -912,8 +912,8 @@ def test_stopped_watchdog_joins_once_its_store_call_has_returned():
 
     import torch.distributed as dist
 
-    from torchbearer_dist.env import resolve, with_rendezvous_timeout
-    from torchbearer_dist.watchdog import Watchdog
+    from torchbearer_dist.runtime._watchdog import Watchdog
+    from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 
     port = free_port()
     server = dist.TCPStore('127.0.0.1', port, None, True, timedelta(seconds=10), wait_for_workers=False)

@@ -17,7 +17,7 @@ from torchbearer.metrics import EpochLambda
 from torchbearer.metrics.roc_auc_score import RocAucScore
 
 import torchbearer_dist
-from torchbearer_dist.metrics import batch_size
+from torchbearer_dist.callbacks.metrics import batch_size
 
 from _dist import run_in_step, run_workers, scenario_values
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from torchbearer_dist.launcher import free_port
+from torchbearer_dist.runtime.launcher import free_port
 
 from _dist import ROOT, child_env, python, run_command
 

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import torchbearer_dist
-from torchbearer_dist.powersgd import PowerSGD
+from torchbearer_dist.sync.powersgd import PowerSGD
 
 from _dist import run_in_step, run_workers, scenario_values
 

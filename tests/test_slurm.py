@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from torchbearer_dist.launcher import free_port
+from torchbearer_dist.runtime.launcher import free_port
 
 from _dist import ROOT, child_env, kill_session, python, run_command
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchbearer_dist
-from torchbearer_dist.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from torchbearer_dist.sync.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 from _dist import run_in_step, run_workers, scenario_values
 
@@ -43,7 +43,8 @@ def _model(kind, seed):
 
 
 def _snapshot(model):
-    return {name: value.detach().clone() for name, value in torchbearer_dist.ddp.unwrap(model).state_dict().items()}
+    state = torchbearer_dist.sync.models.unwrap(model).state_dict()
+    return {name: value.detach().clone() for name, value in state.items()}
 
 
 def _sum_loss(scale):

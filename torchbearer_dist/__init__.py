@@ -1,31 +1,29 @@
 """torchbearer_dist: make a standard torchbearer Trial train data-parallel by adding callbacks."""
-from torchbearer_dist.callbacks import (
-    SKIPPED_STEPS,
-    AgreeOnStop,
-    AllReduceGradients,
-    BroadcastParameters,
-    FlattenImages,
-    SetSamplerEpoch,
-    distributed_callbacks,
-)
-from torchbearer_dist.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from torchbearer_dist.comm import rank as get_rank
-from torchbearer_dist.comm import world_size as get_world_size
-from torchbearer_dist.consistency import CheckReplicas, EvenBatches
+from torchbearer_dist.callbacks import distributed_callbacks
+from torchbearer_dist.callbacks.broadcast import BroadcastParameters
+from torchbearer_dist.callbacks.even_batches import EvenBatches
+from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
+from torchbearer_dist.callbacks.images import FlattenImages
+from torchbearer_dist.callbacks.lr_scaling import LR_FACTOR, ScaleLearningRate
+from torchbearer_dist.callbacks.metrics import ReduceMetrics
+from torchbearer_dist.callbacks.output import RankZeroOnly, RankZeroOutput
+from torchbearer_dist.callbacks.replicas import CheckReplicas
+from torchbearer_dist.callbacks.sampler import SetSamplerEpoch
+from torchbearer_dist.callbacks.stop import AgreeOnStop
+from torchbearer_dist.checkpoint.callback import Checkpoint
+from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import distributed_loader
-from torchbearer_dist.ddp import wrap_ddp
-from torchbearer_dist.diagnosis import PeerFailedError
-from torchbearer_dist.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, resolve
-from torchbearer_dist.gather import all_gather_rows, gather_predictions
-from torchbearer_dist.group import destroy_process_group, init_process_group, process_group
-from torchbearer_dist.interrupts import unwatch_interrupts, watch_interrupts
-from torchbearer_dist.launcher import launch
-from torchbearer_dist.lr_scaling import LR_FACTOR, ScaleLearningRate
-from torchbearer_dist.metrics import ReduceMetrics
-from torchbearer_dist.output import RankZeroOnly, RankZeroOutput
-from torchbearer_dist.powersgd import PowerSGD
-from torchbearer_dist.rendezvous import current_env
-from torchbearer_dist.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
+from torchbearer_dist.runtime.errors import PeerFailedError
+from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
+from torchbearer_dist.runtime.interrupts import unwatch_interrupts, watch_interrupts
+from torchbearer_dist.runtime.launcher import launch
+from torchbearer_dist.sync.collectives import rank as get_rank
+from torchbearer_dist.sync.collectives import world_size as get_world_size
+from torchbearer_dist.sync.ddp import wrap_ddp
+from torchbearer_dist.sync.gather import all_gather_rows, gather_predictions
+from torchbearer_dist.sync.powersgd import PowerSGD
+from torchbearer_dist.sync.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = '0.1.0'
 

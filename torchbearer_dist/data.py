@@ -1,16 +1,7 @@
-"""Data across ranks: a correctly sharded loader, a reshuffle each epoch, and a warning for unsharded training data."""
-import warnings
-
-import torchbearer
+"""Data across ranks: a correctly sharded loader, and finding the sampler that shards one."""
 from torch.utils.data import DataLoader, DistributedSampler
-from torchbearer import Callback
 
-from torchbearer_dist import comm
-
-
-def _loaders(state):
-    keys = (torchbearer.TRAIN_GENERATOR, torchbearer.VALIDATION_GENERATOR, torchbearer.TEST_GENERATOR)
-    return [state[key] for key in keys if state.get(key) is not None]
+from torchbearer_dist.sync import collectives
 
 
 def _samplers(loader):
@@ -36,43 +27,6 @@ def distributed_sampler(loader):
         if isinstance(sampler, DistributedSampler) or hasattr(sampler, 'num_replicas') and hasattr(sampler, 'rank'):
             return sampler
     return None
-
-
-class SetSamplerEpoch(Callback):
-    """Call ``set_epoch(epoch)`` on every DistributedSampler of the Trial's loaders at each epoch start.
-
-    Without it, a shuffling DistributedSampler repeats the same order every epoch. In a world of more
-    than one rank it also warns once, on rank 0, when the training loader has no DistributedSampler:
-    every rank would then train on all the data (see :func:`distributed_loader`).
-
-    Example: ::
-
-        >>> from torchbearer_dist import SetSamplerEpoch
-        >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[SetSamplerEpoch()])
-
-    State Requirements:
-        - :attr:`torchbearer.state.EPOCH`: the epoch about to start
-        - :attr:`torchbearer.state.TRAIN_GENERATOR`: the training loader, checked for a DistributedSampler
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._warned = False
-
-    def on_start(self, state):
-        loader = state.get(torchbearer.TRAIN_GENERATOR)
-        if self._warned or loader is None or comm.world_size() == 1 or distributed_sampler(loader) is not None:
-            return
-        self._warned = True
-        if comm.rank() == 0:
-            warnings.warn('the training loader has no DistributedSampler, so each of the {} ranks trains on all of '
-                          'its data; build it with torchbearer_dist.distributed_loader(dataset, batch_size=...) or '
-                          'pass sampler=DistributedSampler(dataset)'.format(comm.world_size()), stacklevel=2)
-
-    def on_start_epoch(self, state):
-        for loader in _loaders(state):
-            for sampler in _samplers(loader):
-                sampler.set_epoch(state[torchbearer.EPOCH])
 
 
 def distributed_loader(dataset, batch_size=1, shuffle=False, seed=0, drop_last=False, **loader_kwargs):
@@ -116,5 +70,6 @@ def distributed_loader(dataset, batch_size=1, shuffle=False, seed=0, drop_last=F
         if loader_kwargs.get(name) is not None:
             raise ValueError('distributed_loader builds its own sampler, but given {}={!r}; build the DataLoader '
                              'yourself with a DistributedSampler instead'.format(name, loader_kwargs[name]))
-    sampler = DistributedSampler(dataset, num_replicas=comm.world_size(), rank=comm.rank(), shuffle=shuffle, seed=seed)
+    sampler = DistributedSampler(dataset, num_replicas=collectives.world_size(), rank=collectives.rank(),
+                                 shuffle=shuffle, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchbearer_dist
-import torchbearer_dist.metrics as _metrics
+import torchbearer_dist.callbacks.metrics as _metrics
 
 _metrics.batch_size = getattr(_metrics, 'batch_size', getattr(_metrics, '_batch_size', None))  # older versions
 import test_metrics as t  # noqa: E402

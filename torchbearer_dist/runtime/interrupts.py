@@ -18,7 +18,8 @@ import sys
 import threading
 import time
 
-from torchbearer_dist import diagnosis, group, rendezvous
+from torchbearer_dist.runtime import _diagnosis, group
+from torchbearer_dist.runtime.env import current_env, current_store
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
 
@@ -80,12 +81,12 @@ def _wait_for_interrupt(read_fd, write_fd, grace):
         time.sleep(grace)
         if _watch['fds'] != (read_fd, write_fd) or _watch['handled'] > handled:
             continue  # unwatched, or the main thread is handling it
-        env, store = rendezvous.current_env(), rendezvous.current_store()
+        env, store = current_env(), current_store()
         sys.stderr.write('torchbearer_dist: rank {} interrupted inside a collective; stopping\n'.format(
             '?' if env is None else env.rank))
         sys.stderr.flush()
         if env is not None and env.world_size > 1:
-            diagnosis.publish(store, diagnosis.Cause(env.rank, diagnosis.LOCAL, 'KeyboardInterrupt',
+            _diagnosis.publish(store, _diagnosis.Cause(env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
                                                      'interrupted (SIGINT)'))
             group.interrupt_collectives(env)
         time.sleep(grace)

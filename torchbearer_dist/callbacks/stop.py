@@ -4,7 +4,7 @@ import weakref
 import torchbearer
 from torchbearer import Callback
 
-from torchbearer_dist import comm
+from torchbearer_dist.sync import collectives
 
 
 class _LastWord(Callback):
@@ -74,7 +74,7 @@ class AgreeOnStop(Callback):
 
     def on_start_training(self, state):
         self._stop_requested = self._stop_agreed = False
-        if comm.world_size() == 1:
+        if collectives.world_size() == 1:
             return
         # torchbearer calls callbacks in list order and has no hook after them all: the one place where
         # this package edits the Trial's callback list, for the run (removed in on_end, and before it is
@@ -106,11 +106,11 @@ class AgreeOnStop(Callback):
             self._stop_requested = True
             if self.buckets is not None:
                 self.buckets.request_stop()
-        if self.buckets is None and comm.any_rank(self._stop_requested):
+        if self.buckets is None and collectives.any_rank(self._stop_requested):
             self._stop_requested = False
             state[torchbearer.STOP_TRAINING] = True
 
     def _agree_on_stop(self, state, flag):
-        if comm.any_rank(flag or state[torchbearer.STOP_TRAINING]):
+        if collectives.any_rank(flag or state[torchbearer.STOP_TRAINING]):
             state[torchbearer.STOP_TRAINING] = True
         self._stop_requested = self._stop_agreed = False

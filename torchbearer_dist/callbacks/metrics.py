@@ -1,6 +1,6 @@
 """Global epoch metrics and predictions: every rank reports the figures of the union of all ranks' samples.
 
-The aggregation itself lives in :mod:`torchbearer_dist.aggregators`; this module holds the callback
+The aggregation itself lives in :mod:`torchbearer_dist.callbacks._aggregators`; this module holds the callback
 that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
 """
 import torch
@@ -10,8 +10,10 @@ from torch.utils.data import DistributedSampler
 from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
-from torchbearer_dist import aggregators, comm, gather
+from torchbearer_dist.callbacks import _aggregators
 from torchbearer_dist.data import distributed_sampler
+from torchbearer_dist.runtime.env import current_env
+from torchbearer_dist.sync import collectives, gather
 
 
 def _leading(value):
@@ -104,7 +106,7 @@ class ReduceMetrics(Callback):
         if not isinstance(gather_predictions, bool):
             raise ValueError('gather_predictions should be True or False, but given {!r}'.format(gather_predictions))
         self.gather_predictions = gather_predictions
-        self._pass = aggregators.Pass()
+        self._pass = _aggregators.Pass()
         self._remaining = self._sampler = None
         self._trained = self._predicting = False
 
@@ -113,7 +115,7 @@ class ReduceMetrics(Callback):
 
     def _start_pass(self, state, training):
         self._pass.training, self._pass.samples = training, 0
-        aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
+        _aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
 
     def on_start_training(self, state):
         self._trained = True
@@ -125,7 +127,7 @@ class ReduceMetrics(Callback):
 
     def on_start_validation(self, state):
         self._predicting = _predicting(state[torchbearer.CALLBACK_LIST])
-        if not self._trained and comm.world_size() > 1:
+        if not self._trained and collectives.world_size() > 1:
             _check_in('predict' if self._predicting else 'evaluate')
         self._start_pass(state, False)
         self._remaining = None
@@ -150,7 +152,7 @@ class ReduceMetrics(Callback):
     def on_end_validation(self, state):
         if not (self._predicting and self.gather_predictions and isinstance(self._sampler, DistributedSampler)):
             return
-        if comm.world_size() == 1:
+        if collectives.world_size() == 1:
             return
         predictions = state.get(torchbearer.FINAL_PREDICTIONS)
         if isinstance(predictions, list) and not predictions:
@@ -169,16 +171,15 @@ def _check_in(what):
     """
     if dist.get_backend() != 'gloo':
         return  # monitored_barrier is gloo's: under nccl a missing rank shows as the collective timeout
-    from torchbearer_dist import rendezvous  # imported here: a callback module need not load the socket code
-    env = rendezvous.current_env()
+    env = current_env()
     timeout = None if env is None else getattr(env, 'meet_timeout', env.timeout)
     try:
         dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError('{}() is a collective that every rank must call, but not every rank joined rank {} within '
-                           '{} s ({}); call {}() on every rank'.format(what, comm.rank(), _seconds(timeout), detail,
-                                                                      what)) from None
+                           '{} s ({}); call {}() on every rank'.format(what, collectives.rank(), _seconds(timeout),
+                                                                      detail, what)) from None
 
 
 def _seconds(timeout):

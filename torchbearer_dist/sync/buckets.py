@@ -32,8 +32,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.flat_buckets import check_options, check_supported, pack, ready_order
-from torchbearer_dist.powersgd import PowerSGD
+from torchbearer_dist.sync.flat_buckets import check_options, check_supported, pack, ready_order
+from torchbearer_dist.sync.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
 

@@ -18,16 +18,15 @@ import warnings
 import torch
 import torch.distributed as dist
 import torchbearer
-from torchbearer import Callback
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
-from torchbearer_dist import comm
-from torchbearer_dist.atomic import remove_stale_temporaries as _remove_stale_temporaries
-from torchbearer_dist.atomic import write as _write
-from torchbearer_dist.comm import unwrap
+from torchbearer_dist.checkpoint._atomic import remove_stale_temporaries as _remove_stale_temporaries
+from torchbearer_dist.checkpoint._atomic import write as _write
+from torchbearer_dist.sync import collectives
+from torchbearer_dist.sync.models import unwrap
 
 #: Marks a file written by :func:`save_checkpoint`, and its layout version.
-FORMAT = 'torchbearer_dist.checkpoint/1'
+FORMAT = 'torchbearer_dist.checkpoint.files/1'
 
 
 def _plain(value):
@@ -84,7 +83,7 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
     Example: ::
 
         >>> import torch, tempfile, os
-        >>> from torchbearer_dist.checkpoint import save_checkpoint
+        >>> from torchbearer_dist.checkpoint.files import save_checkpoint
         >>> path = os.path.join(tempfile.mkdtemp(), 'model.pt')
         >>> save_checkpoint(path, torch.nn.Linear(2, 1))
         True
@@ -103,7 +102,7 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
     Raises:
         ValueError: on rank 0, the directory of ``path`` does not exist
     """
-    if comm.rank() != 0:
+    if collectives.rank() != 0:
         return False
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -114,7 +113,7 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
         'optimizer': None if optimizer is None else optimizer.state_dict(),
         'history': [{str(k): _plain(v) for k, v in entry.items()} for entry in history],
         'callbacks': _callback_states(callbacks),
-        'world_size': comm.world_size(),
+        'world_size': collectives.world_size(),
     }
     _remove_stale_temporaries(path)
     _write(payload, path)
@@ -124,12 +123,12 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
 def _read(path):
     """The bytes of ``path`` on every rank, read by rank 0 alone and broadcast (None where rank 0 has no file)."""
     data = None
-    if comm.rank() == 0 and os.path.isfile(path):
+    if collectives.rank() == 0 and os.path.isfile(path):
         with open(path, 'rb') as f:
             data = f.read()
-    if comm.world_size() == 1:
+    if collectives.world_size() == 1:
         return data
-    device = comm.comm_device(torch.device('cpu'))
+    device = collectives.comm_device(torch.device('cpu'))
     size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     if size.item() < 0:
@@ -143,7 +142,7 @@ def _read(path):
 def _restore_callbacks(trial, entries):
     callbacks = list(trial.state[torchbearer.CALLBACK_LIST])
     names = [_name(c) for c in callbacks]
-    if names != [e['type'] for e in entries] and comm.rank() == 0:  # other ranks silence output callbacks
+    if names != [e['type'] for e in entries] and collectives.rank() == 0:  # other ranks silence output callbacks
         warnings.warn("the Trial's callbacks differ from those saved ({} saved, {} now); each state is restored only "
                       'where the class at its position matches'.format(len(entries), len(callbacks)), stacklevel=3)
     schedulers = {}
@@ -154,6 +153,7 @@ def _restore_callbacks(trial, entries):
             callback.load_state_dict(entry['state'])
         if entry['scheduler'] is not None:
             schedulers[i] = entry['scheduler']
+    from torchbearer_dist.checkpoint.callback import Checkpoint  # imported here: that module imports this one
     keepers = [c for c in callbacks if isinstance(c, Checkpoint)]
     for keeper in keepers:
         keeper.pending_schedulers = schedulers
@@ -176,7 +176,7 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
     Example: ::
 
         >>> import torch, tempfile, os
-        >>> from torchbearer_dist.checkpoint import load_checkpoint, save_checkpoint
+        >>> from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
         >>> path = os.path.join(tempfile.mkdtemp(), 'model.pt')
         >>> _ = save_checkpoint(path, torch.nn.Linear(2, 1), history=[{'loss': 0.5}])
         >>> load_checkpoint(path, model=torch.nn.Linear(2, 1))['history']
@@ -222,75 +222,3 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
     if optimizer is not None and payload['optimizer'] is not None:
         optimizer.load_state_dict(payload['optimizer'])
     return payload
-
-
-class Checkpoint(Callback):
-    """Save a crash-safe checkpoint every ``every`` epochs, on global rank 0 only.
-
-    The file is replaced atomically, so killing the job at any moment leaves the previous
-    checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too. Resume
-    with :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores
-    the schedulers once ``run()`` has rebuilt them, before the first epoch. At the start of training
-    rank 0 checks that the directory of ``path`` exists, and every rank raises if it does not.
-
-    Example:
-
-        .. code-block:: python
-
-            callbacks = [Checkpoint('run.pt'), *distributed_callbacks()]
-            trial = Trial(model, optimizer, loss, callbacks=callbacks)
-            if resuming:
-                load_checkpoint('run.pt', trial=trial)  # every rank; only rank 0 reads the file
-            trial.with_generators(train_loader).run(10)  # goes on after the last saved epoch
-
-    Args:
-        path (str): the checkpoint file, on rank 0's machine
-        every (int): save after every ``every``-th epoch (counted globally, from 1)
-
-    Raises:
-        ValueError: ``every`` is not a positive integer; at the start of ``run()``, the directory of
-            ``path`` does not exist on rank 0
-
-    State Requirements:
-        - :attr:`torchbearer.state.MODEL`: the model to save
-        - :attr:`torchbearer.state.OPTIMIZER`: the optimizer to save
-        - :attr:`torchbearer.state.HISTORY`: the epochs done
-        - :attr:`torchbearer.state.CALLBACK_LIST`: the callbacks whose states are saved
-
-    .. warning:: A synchronization point at the start of each ``run()`` (the directory check).
-    """
-
-    def __init__(self, path, every=1):
-        super().__init__()
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError('every should be an integer >= 1, but given {!r}'.format(every))
-        if not isinstance(path, (str, os.PathLike)):
-            raise ValueError('path should be a file path, but given {!r}'.format(path))
-        self.path = os.fspath(path)
-        self.every = every
-        self.pending_schedulers = {}
-        self._checked = False
-
-    def on_start(self, state):
-        self._checked = False
-
-    def on_start_training(self, state):
-        if self._checked:  # once per run(), in training only: evaluate() and predict() never save
-            return
-        self._checked = True
-        missing = comm.rank() == 0 and not os.path.isdir(os.path.dirname(os.path.abspath(self.path)))
-        if comm.any_rank(missing):
-            raise ValueError('the directory of the checkpoint path {!r} does not exist on rank 0; create it there '
-                             'first'.format(self.path))
-
-    def on_start_epoch(self, state):
-        callbacks = list(state[torchbearer.CALLBACK_LIST])
-        for i, scheduler_state in sorted(self.pending_schedulers.items()):
-            callbacks[i]._scheduler.load_state_dict(scheduler_state)  # see _callback_states
-        self.pending_schedulers = {}
-
-    def on_checkpoint(self, state):
-        history = state[torchbearer.HISTORY]
-        if len(history) % self.every == 0:
-            save_checkpoint(self.path, state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history,
-                            state[torchbearer.CALLBACK_LIST])

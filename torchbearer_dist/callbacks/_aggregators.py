@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torchbearer.bases import Metric
 from torchbearer.metrics import EpochLambda, Mean, MetricTree, RunningMean, Std, Var
 
-from torchbearer_dist import comm, gather
+from torchbearer_dist.sync import collectives, gather
 
 
 class Pass:
@@ -24,9 +24,9 @@ class Pass:
 
 def _all_sum(values):
     """Sum float64 tensors over ranks in one all-reduce (shapes equal on every rank)."""
-    if comm.world_size() == 1 or not values:
+    if collectives.world_size() == 1 or not values:
         return values
-    flat = torch.cat([v.reshape(-1) for v in values]).to(comm.comm_device(torch.device('cpu')))
+    flat = torch.cat([v.reshape(-1) for v in values]).to(collectives.comm_device(torch.device('cpu')))
     dist.all_reduce(flat)
     flat, out = flat.cpu(), []
     for v in values:
@@ -37,14 +37,14 @@ def _all_sum(values):
 
 def _as_tensor(value, numel):
     value = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
-    if comm.world_size() > 1 and value.numel() == 1 and numel > 1:  # a rank without batches holds a 0.0
+    if collectives.world_size() > 1 and value.numel() == 1 and numel > 1:  # a rank without batches holds a 0.0
         value = value.reshape(-1).expand(numel).clone()
     return value
 
 
 def _numel(value):
     """The largest numel of ``value`` over ranks, so that every rank sends tensors of one shape."""
-    return comm.reduce_int(torch.as_tensor(value).numel(), 'max')
+    return collectives.reduce_int(torch.as_tensor(value).numel(), 'max')
 
 
 def _result(tensor):
@@ -168,17 +168,17 @@ class _SameOnEveryRank(_Wrapped):
 
     def process_final(self, *args):
         result = self.inner.process_final(*args)
-        if comm.world_size() == 1:
+        if collectives.world_size() == 1:
             return result
         numbers = result if isinstance(result, dict) else {'': result}
         names = sorted(k for k, v in numbers.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                        or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point())
         local = torch.tensor([float(numbers[k]) for k in names], dtype=torch.float64)
-        both = torch.cat([local, -local]).to(comm.comm_device(torch.device('cpu')))
+        both = torch.cat([local, -local]).to(collectives.comm_device(torch.device('cpu')))
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         if torch.equal(both[:len(names)].cpu(), -both[len(names):].cpu()):
             return result  # the same on every rank (epoch, lr, ...)
-        means = comm.weighted_means({k: numbers[k] for k in names}, self._pass.samples)
+        means = collectives.weighted_means({k: numbers[k] for k in names}, self._pass.samples)
         for k, v in means.items():
             numbers[k] = torch.tensor(v, dtype=numbers[k].dtype) if isinstance(numbers[k], torch.Tensor) else v
         return numbers if isinstance(result, dict) else numbers['']

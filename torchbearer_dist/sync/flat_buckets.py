@@ -1,6 +1,6 @@
 """One flat buffer of gradients: how parameters are packed into buckets, copied in and handed back.
 
-:mod:`torchbearer_dist.buckets` starts, waits for and averages these buffers; this module only holds
+:mod:`torchbearer_dist.sync.buckets` starts, waits for and averages these buffers; this module only holds
 their layout. A bucket holds one real dtype on one device. Complex parameters take two real slots per
 value (at an even offset, so that :func:`torch.view_as_complex` can view them), sparse gradients are
 copied in densified and handed back sparse, and each bucket ends with one presence flag per

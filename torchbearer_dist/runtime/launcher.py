@@ -16,7 +16,7 @@ from multiprocessing import connection, get_context
 
 import torch
 
-from torchbearer_dist import diagnosis, group, interrupts
+from torchbearer_dist.runtime import _diagnosis, errors, group, interrupts
 
 _PR_SET_PDEATHSIG = 1
 
@@ -69,7 +69,7 @@ def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeou
             payload = error if _picklable(error) else None
         except Exception:
             payload = None
-        _send(conn, ('error', diagnosis.describe(error), traceback.format_exc(), payload))
+        _send(conn, ('error', _diagnosis.describe(error), traceback.format_exc(), payload))
         conn.close()
         sys.stderr.flush()
         os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
@@ -115,7 +115,7 @@ def _error_for(rank, report, exitcode):
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
         return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
     _, line, text, error = report
-    if error is None or isinstance(error, diagnosis.PeerFailedError):
+    if error is None or isinstance(error, errors.PeerFailedError):
         error = RuntimeError(line) if error is None else error
         if error.args and not str(error).startswith('rank '):
             error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
@@ -223,4 +223,4 @@ def _supervise(processes, pipes, deadline, grace):
 
 
 def _peer_failure(report):
-    return report is not None and report[0] == 'error' and report[1].startswith(diagnosis.PeerFailedError.__name__)
+    return report is not None and report[0] == 'error' and report[1].startswith(errors.PeerFailedError.__name__)

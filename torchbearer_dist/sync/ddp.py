@@ -4,8 +4,7 @@ import os
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from torchbearer_dist import rendezvous
-from torchbearer_dist.comm import unwrap  # noqa: F401  (its home is comm; kept importable from here)
+from torchbearer_dist.runtime.env import current_env
 
 
 def wrap_ddp(model, local_rank=None, **ddp_kwargs):
@@ -39,7 +38,7 @@ def wrap_ddp(model, local_rank=None, **ddp_kwargs):
     if not torch.distributed.is_initialized():
         raise RuntimeError('wrap_ddp needs a process group: call torchbearer_dist.init_process_group() first')
     if local_rank is None:
-        env = rendezvous.current_env()
+        env = current_env()
         local_rank = env.local_rank if env is not None else int(os.environ.get('LOCAL_RANK', '0'))
     if torch.cuda.is_available():
         if not 0 <= local_rank < torch.cuda.device_count():

@@ -1,7 +1,7 @@
 """The process group's life: create it, run a block inside it, end a failure cleanly, tear it down.
 
 Nothing here touches signal handlers or the wakeup fd (Ctrl-C handling is opt-in, in
-:mod:`torchbearer_dist.interrupts`), and ``os.environ`` is left as it was found: the interface
+:mod:`torchbearer_dist.runtime.interrupts`), and ``os.environ`` is left as it was found: the interface
 chosen for gloo is set only while the group is created.
 """
 import atexit
@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist import diagnosis, gloo_sockets, peers, rendezvous
-from torchbearer_dist.env import resolve, with_rendezvous_timeout
-from torchbearer_dist.watchdog import Watchdog
+from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, rendezvous
+from torchbearer_dist.runtime._watchdog import Watchdog
+from torchbearer_dist.runtime.env import current_env, current_store, resolve, set_current, with_rendezvous_timeout
 
 _live = {'watchdog': None, 'gloo': None, 'cause': None}
 #: Stopped watchdogs whose threads may still be inside a store call; joined at exit.
@@ -25,7 +25,7 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
                        init_method=None, local_rank=None, rendezvous_timeout=None):
     """Join the job: check the arguments, meet the other ranks, and create the default process group.
 
-    Arguments are those of :func:`torchbearer_dist.env.resolve`; anything not given comes from
+    Arguments are those of :func:`torchbearer_dist.runtime.env.resolve`; anything not given comes from
     torchrun's or SLURM's environment. Every value is checked before the first network call. A
     helper thread then beats a heartbeat through the store, so that a dead or silent peer ends the
     job within ``rendezvous_timeout`` whatever the collective ``timeout``.
@@ -71,12 +71,12 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         torch.cuda.set_device(env.local_rank)
     store, sock = rendezvous._make_store(env, environ)
     store = dist.PrefixStore(rendezvous._namespace(environ), store)
-    rendezvous.set_current(env, store, sock)
+    set_current(env, store, sock)
     try:
         if env.world_size > 1:
             store.set_timeout(env.meet_timeout)
             rendezvous.handshake(store, env)
-            peers.remember(store, env.rank, env.world_size)
+            _peers.remember(store, env.rank, env.world_size)
         _create(env, store, environ)
         client = rendezvous.connect_client(env, environ)
         if client is not None:
@@ -103,12 +103,12 @@ def _create(env, store, environ):
         where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
         raise RuntimeError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
                            'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
-                           'machines'.format(env.rank, where, diagnosis.describe(error))) from None
+                           'machines'.format(env.rank, where, _diagnosis.describe(error))) from None
     finally:
         if interface is not None:
             environ.pop('GLOO_SOCKET_IFNAME', None)
     if env.backend == 'gloo' and env.world_size > 1:
-        _live['gloo'] = gloo_sockets.endpoints(group_store, dist.group.WORLD.group_name, env.rank, env.world_size)
+        _live['gloo'] = _gloo_sockets.endpoints(group_store, dist.group.WORLD.group_name, env.rank, env.world_size)
 
 
 def _on_watchdog(client, env, cause):
@@ -116,14 +116,14 @@ def _on_watchdog(client, env, cause):
     if cause is not None:
         _live['cause'] = cause  # the main thread reports it even if the store is out of reach
         if cause.rank != 0:
-            diagnosis.publish(client, cause)
+            _diagnosis.publish(client, cause)
     interrupt_collectives(env)
 
 
 def interrupt_collectives(env):
     """Make this rank's pending and future collectives fail now, so that its main thread unwinds."""
     if env.backend == 'gloo':
-        gloo_sockets.shut_down(_live['gloo'], env.rank)
+        _gloo_sockets.shut_down(_live['gloo'], env.rank)
     elif dist.is_initialized():
         try:
             dist.group.WORLD.abort()  # nccl: aborts the communicators, as its own watchdog does
@@ -136,16 +136,16 @@ def _stop_peers(env):
 
     ``destroy_process_group`` closes gloo's connections only when nothing else holds the group; a
     pending gradient all-reduce referenced from a traceback keeps them open (measured: see
-    :mod:`torchbearer_dist.gloo_sockets`).
+    :mod:`torchbearer_dist.runtime._gloo_sockets`).
     """
-    held = gloo_sockets.connections(_live['gloo'], env.rank) if env.backend == 'gloo' else []
+    held = _gloo_sockets.connections(_live['gloo'], env.rank) if env.backend == 'gloo' else []
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group is torn down as far as torch allows
             pass
-    if held and gloo_sockets.connections(_live['gloo'], env.rank):
-        gloo_sockets.shut_down(_live['gloo'], env.rank)
+    if held and _gloo_sockets.connections(_live['gloo'], env.rank):
+        _gloo_sockets.shut_down(_live['gloo'], env.rank)
 
 
 def _stop_watchdog():
@@ -166,7 +166,7 @@ def _tear_down_at_exit():
     returning from a store call. Exit handlers run before that point: destroy a group the script
     left up, which joins gloo's threads, and wait for every stopped heartbeat.
     """
-    if rendezvous.current_env() is not None or _live['watchdog'] is not None:
+    if current_env() is not None or _live['watchdog'] is not None:
         destroy_process_group()
     while _stopped:
         _stopped.pop().join()
@@ -187,8 +187,8 @@ def destroy_process_group():
         except Exception:  # a broken group is torn down as far as torch allows
             pass
     _live.update(gloo=None, cause=None)
-    peers.forget()
-    rendezvous.set_current()
+    _peers.forget()
+    set_current()
 
 
 @contextmanager
@@ -223,22 +223,22 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
     env = init_process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
                              timeout=timeout, init_method=init_method, local_rank=local_rank,
                              rendezvous_timeout=rendezvous_timeout)
-    store = rendezvous.current_store()
+    store = current_store()
     try:
         yield env
     except BaseException as error:
         if env.world_size == 1:
             raise
         _stop_watchdog()
-        cause, own = (_live['cause'], False) if _live['cause'] is not None else diagnosis.diagnose(store, env, error)
-        if env.rank == 0 or cause.rank != 0 or cause.kind == diagnosis.LOCAL:  # else the store is out of reach
-            diagnosis.publish(store, cause)
+        cause, own = (_live['cause'], False) if _live['cause'] is not None else _diagnosis.diagnose(store, env, error)
+        if env.rank == 0 or cause.rank != 0 or cause.kind == _diagnosis.LOCAL:  # else the store is out of reach
+            _diagnosis.publish(store, cause)
         _stop_peers(env)
         if env.rank == 0:
-            diagnosis.wait_until_read(store, env.world_size)
+            _diagnosis.wait_until_read(store, env.world_size)
         destroy_process_group()
         if not own:
-            raise diagnosis.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
+            raise errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
                                             cause.kind, cause.exc_type or None) from error
         raise
     finally:

@@ -7,7 +7,7 @@ first epochs so that early steps stay stable.
 import torchbearer
 from torchbearer import Callback
 
-from torchbearer_dist import comm
+from torchbearer_dist.sync import collectives
 
 #: State key: the factor :class:`ScaleLearningRate` applies to the learning rate at this step.
 LR_FACTOR = torchbearer.state_key('lr_factor')
@@ -92,7 +92,7 @@ class ScaleLearningRate(Callback):
 
     def on_start(self, state):
         self._release()
-        self.scale = float(comm.world_size())
+        self.scale = float(collectives.world_size())
         if self.reference_batch_size is not None:
             batch_size = self.batch_size
             if batch_size is None:
@@ -101,7 +101,7 @@ class ScaleLearningRate(Callback):
                 raise ValueError('ScaleLearningRate(reference_batch_size={}) cannot find this rank\'s batch size '
                                  '(the training loader gives {!r}); pass batch_size='.format(
                                      self.reference_batch_size, batch_size))
-            self.scale = comm.reduce_int(batch_size, 'sum') / self.reference_batch_size
+            self.scale = collectives.reduce_int(batch_size, 'sum') / self.reference_batch_size
         optimizer = state[torchbearer.OPTIMIZER]
         if hasattr(optimizer, 'register_step_post_hook'):
             self._hook = optimizer.register_step_post_hook(lambda *_: self._restore())

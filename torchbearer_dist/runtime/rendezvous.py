@@ -1,6 +1,6 @@
 """Meeting the other processes: the rendezvous store, a handshake, and the route to the master.
 
-The process group's life (init, teardown) is in :mod:`torchbearer_dist.group`. The store is created
+The process group's life (init, teardown) is in :mod:`torchbearer_dist.runtime.group`. The store is created
 here rather than by :func:`torch.distributed.init_process_group` so that:
 
 - rank 0 binds the socket itself, on the master address only (torch listens on every interface),
@@ -21,28 +21,10 @@ import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist import peers
+from torchbearer_dist.runtime import _peers
 
-_current = {'env': None, 'store': None, 'socket': None}
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
 _SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
-
-
-def current_env():
-    """The :class:`~torchbearer_dist.env.DistEnv` of the live process group, or None outside one."""
-    return _current['env']
-
-
-def current_store():
-    """The job's rendezvous store (namespaced to this job), or None outside a process group."""
-    return _current['store']
-
-
-def set_current(env=None, store=None, sock=None):
-    """Record the live group's env and store (all None: none); closes the previous listening socket."""
-    if _current['socket'] is not None and _current['socket'] is not sock:
-        _current['socket'].close()
-    _current.update(env=env, store=store, socket=sock)
 
 
 def _port_holder(port):
@@ -212,7 +194,7 @@ def handshake(store, env):
                                env.rank, held.rsplit(' ', 1)[0], env.address))
     store.add('hb/{}'.format(env.rank), 1)  # the watchdog's heartbeat counter exists before anyone reads it
     store.set('world_size/{}'.format(env.rank), str(env.world_size))
-    store.set('addr/{}'.format(env.rank), peers.identity())
+    store.set('addr/{}'.format(env.rank), _peers.identity())
     for other in range(env.world_size):
         if other == env.rank:
             continue

@@ -7,7 +7,7 @@ from torchbearer import Callback
 from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
 from torchbearer.callbacks.checkpointers import _Checkpointer
 
-from torchbearer_dist import comm
+from torchbearer_dist.sync import collectives
 
 
 class _Silent(Callback):
@@ -74,7 +74,7 @@ class RankZeroOutput(Callback):
     def on_start(self, state):
         # Also here: the process group may have come up after the Trial was built.
         self._silence(state)
-        if comm.rank() == 0:
+        if collectives.rank() == 0:
             return
         callbacks = state[torchbearer.CALLBACK_LIST]
         if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
@@ -95,7 +95,7 @@ class RankZeroOutput(Callback):
         ``on_start``, so those three are made to pass ``verbose=0``, and the output callbacks in the
         list are replaced by inert stand-ins that keep their ``state_dict``.
         """
-        if comm.rank() == 0:
+        if collectives.rank() == 0:
             return
         trial = state[torchbearer.SELF]
         trial.verbose = 0
@@ -124,7 +124,7 @@ class RankZeroOnly(Callback):
         self.callback = callback
 
     def __getattribute__(self, name):
-        if name.startswith('on_') and comm.rank() == 0:
+        if name.startswith('on_') and collectives.rank() == 0:
             return getattr(object.__getattribute__(self, 'callback'), name)
         return object.__getattribute__(self, name)
 

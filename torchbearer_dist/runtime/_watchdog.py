@@ -5,14 +5,14 @@ connection. Rank 0 watches every rank's counter, the others watch rank 0's and t
 counter that stops for the rendezvous timeout, or a store that stops answering, ends the job with a
 ``network`` (or ``peer``) cause; a cause published by any rank ends it too. Ending means: publish
 the cause, then wake this rank's main thread from the collective it is blocked in (a callback given
-by :mod:`torchbearer_dist.group`). The collective timeout can therefore be long, as torch's is: a
+by :mod:`torchbearer_dist.runtime.group`). The collective timeout can therefore be long, as torch's is: a
 rank busy for minutes between collectives (rank-0-only work) keeps beating and is never mistaken
 for a dead one.
 """
 import threading
 import time
 
-from torchbearer_dist import diagnosis
+from torchbearer_dist.runtime import _diagnosis
 
 _INTERVAL = 1.0
 
@@ -26,7 +26,7 @@ class Watchdog:
     Args:
         env (DistEnv): this process's place in the job
         store (torch.distributed.Store): a connection to the job's store for these threads alone
-        on_failure (callable): called once, from a thread, with the :class:`~diagnosis.Cause` (None
+        on_failure (callable): called once, from a thread, with the :class:`~_diagnosis.Cause` (None
             when another rank's cause is already in the store)
         interval (float): seconds between beats
     """
@@ -94,7 +94,7 @@ class Watchdog:
             if error:
                 return self._fail(None)
             if self.env.rank != 0 and now - reached > self.limit:
-                return self._fail(diagnosis.master_silent(self.env, self.limit))
+                return self._fail(_diagnosis.master_silent(self.env, self.limit))
             if values is None or reached == sample:
                 continue
             sample = reached
@@ -102,7 +102,7 @@ class Watchdog:
                 if last.get(rank) != value:
                     last[rank], changed[rank] = value, reached
                 elif reached - changed[rank] > self.limit:
-                    return self._fail(diagnosis.no_heartbeat(rank, self.limit))
+                    return self._fail(_diagnosis.no_heartbeat(rank, self.limit))
 
     def _fail(self, cause):
         if not self._stop.is_set():

@@ -1,14 +1,17 @@
-"""Gradient averaging in a Trial: :class:`AllReduceGradients`, a thin callback over :mod:`.buckets`."""
+"""Gradient averaging in a Trial: :class:`AllReduceGradients`, a thin callback over the bucket engine.
+
+The engine, :mod:`torchbearer_dist.sync.buckets`, needs no torchbearer.
+"""
 import warnings
 import weakref
 
 import torchbearer
 from torch.nn.parallel import DistributedDataParallel
 
-from torchbearer_dist import comm
-from torchbearer_dist.buckets import GradientBuckets
-from torchbearer_dist.flat_buckets import check_options, check_supported
-from torchbearer_dist.stop import AgreeOnStop
+from torchbearer_dist.callbacks.stop import AgreeOnStop
+from torchbearer_dist.sync import collectives, models
+from torchbearer_dist.sync.buckets import GradientBuckets
+from torchbearer_dist.sync.flat_buckets import check_options, check_supported
 
 #: State key: how many steps were skipped because the averaged gradients were not finite.
 SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
@@ -35,7 +38,7 @@ def _trainable(state):
 class AllReduceGradients(AgreeOnStop):
     """Average every gradient over all ranks, complete when backward returns.
 
-    Gradients are fused into flat buckets (see :class:`~torchbearer_dist.buckets.GradientBuckets`)
+    Gradients are fused into flat buckets (see :class:`~torchbearer_dist.sync.buckets.GradientBuckets`)
     whose average is complete before ``backward()`` returns, so every ``on_backward`` callback,
     wherever it sits in the list (GradientNormClipping, gradient logging), sees averaged gradients,
     with the standard closure, a custom closure or ``Trial.with_closure``. Parameters of the optimizer
@@ -118,7 +121,7 @@ class AllReduceGradients(AgreeOnStop):
 
     def on_start(self, state):
         super().on_start(state)
-        if comm.world_size() == 1:
+        if collectives.world_size() == 1:
             return
         model = state[torchbearer.MODEL]
         if isinstance(model, DistributedDataParallel):
@@ -134,7 +137,7 @@ class AllReduceGradients(AgreeOnStop):
         super().on_start_training(state)
         if self.buckets is not None:
             self.buckets.detach()  # hooks of an earlier Trial or run, whatever way it ended
-        if comm.world_size() == 1 or self._ddp:
+        if collectives.world_size() == 1 or self._ddp:
             self.buckets = None
             return
         params = [p for _, p in _trainable(state)]
@@ -168,8 +171,8 @@ class AllReduceGradients(AgreeOnStop):
     def on_end_training(self, state):
         if self.buckets is not None:
             self.buckets.disarm()
-        if comm.world_size() > 1 and not self._ddp:
-            comm.broadcast_buffers(state[torchbearer.MODEL])
+        if collectives.world_size() > 1 and not self._ddp:
+            models.broadcast_buffers(state[torchbearer.MODEL])
 
     def on_backward(self, state):
         if self.buckets is not None:
@@ -198,6 +201,6 @@ class AllReduceGradients(AgreeOnStop):
         buckets.nonfinite = False  # counted once, whether on_backward runs or not
         self.skipped += 1
         state[SKIPPED_STEPS] = self.skipped
-        if self.skipped == 1 and comm.rank() == 0:
+        if self.skipped == 1 and collectives.rank() == 0:
             warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
                           'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)

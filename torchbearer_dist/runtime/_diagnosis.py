@@ -14,27 +14,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchbearer_dist import peers
+from torchbearer_dist.runtime import _peers
+from torchbearer_dist.runtime.errors import PeerFailedError
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
 _SHORT = timedelta(seconds=2)
-
-
-class PeerFailedError(RuntimeError):
-    """This rank stopped because another rank failed first; the message names that rank and its error.
-
-    Attributes:
-        rank (int or None): the rank that failed first
-        kind (str or None): ``'local'`` (its own error), ``'peer'`` (it died or left) or ``'network'``
-        exc_type (str or None): the name of its exception type, when it reported one
-    """
-
-    def __init__(self, message, rank=None, kind=None, exc_type=None):
-        super().__init__(message)
-        self.rank, self.kind, self.exc_type = rank, kind, exc_type
-
-    def __reduce__(self):
-        return type(self), (self.args[0], self.rank, self.kind, self.exc_type)
 
 
 @dataclass(frozen=True)
@@ -130,7 +114,7 @@ def wait_until_read(store, world_size, seconds=3.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if store.add('error_seen', 0) >= world_size - 1 - len(peers.dead_local_ranks()):
+            if store.add('error_seen', 0) >= world_size - 1 - len(_peers.dead_local_ranks()):
                 return
         except Exception:
             return
@@ -150,7 +134,7 @@ def read_cause(store, wait=0.0, deaths=True):
     store.set_timeout(_SHORT)
     deadline = time.monotonic() + wait
     while True:
-        dead = peers.dead_local_ranks() if deaths else []
+        dead = _peers.dead_local_ranks() if deaths else []
         if store.check(['error']):
             cause = Cause.from_json(store.get('error').decode())
             store.add('error_seen', 1)
@@ -210,7 +194,7 @@ def diagnose(store, env, error):
     if not is_collective_error(error):
         return own_cause(env.rank, error), True
     timed_out = _is_timeout(error)
-    reachable = 'ok' if env.rank == 0 else peers.probe(env.host, env.port)
+    reachable = 'ok' if env.rank == 0 else _peers.probe(env.host, env.port)
     if reachable == 'refused':
         return master_gone(env), False
     if reachable == 'ok':  # a store call to a silent host could block past any timeout

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from torchbearer_dist.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
+from torchbearer_dist.runtime.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
 
 #: Default bound on each collective, torch's own default for gloo: rank-0-only work between
 #: collectives (a checkpoint to a slow filesystem, a slow first batch) may take that long. A dead or
@@ -113,7 +113,7 @@ def with_rendezvous_timeout(env, rendezvous_timeout=None, environ=None):
 
     Example: ::
 
-        >>> from torchbearer_dist.env import resolve, with_rendezvous_timeout
+        >>> from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
         >>> env = resolve(rank=0, world_size=2, backend='gloo', timeout=600, environ={})
         >>> env = with_rendezvous_timeout(env, environ={})
         >>> env.rendezvous_timeout.total_seconds(), env.timeout.total_seconds()
@@ -171,7 +171,7 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
 
     Example: ::
 
-        >>> from torchbearer_dist.env import resolve
+        >>> from torchbearer_dist.runtime.env import resolve
         >>> env = resolve(rank=1, world_size=2, host='10.0.0.1', port=29500, backend='gloo')
         >>> env.address
         '10.0.0.1:29500'
@@ -182,7 +182,7 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         host (str): address or name of the machine that runs rank 0
         port (int): port of the rendezvous store on ``host``, in 1..65535
         backend (str): ``'gloo'``, ``'nccl'`` or ``'mpi'``; gloo by default, see
-            :func:`torchbearer_dist.backends.default_backend`
+            :func:`torchbearer_dist.runtime.backends.default_backend`
         timeout (float or datetime.timedelta): bound on each collective, in seconds; by default
             :data:`DEFAULT_TIMEOUT` or ``TORCHBEARER_DIST_TIMEOUT``
         init_method (str): ``'file:///shared/path'`` to meet through a file on a shared filesystem
@@ -252,3 +252,23 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     backend = check_backend(default_backend() if backend is None else backend)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, host=host, port=port,
                    backend=backend, timeout=_timeout(timeout, environ), init_method=init_method, source=source)
+
+
+_current = {'env': None, 'store': None, 'socket': None}
+
+
+def current_env():
+    """The :class:`~torchbearer_dist.runtime.env.DistEnv` of the live process group, or None outside one."""
+    return _current['env']
+
+
+def current_store():
+    """The job's rendezvous store (namespaced to this job), or None outside a process group."""
+    return _current['store']
+
+
+def set_current(env=None, store=None, sock=None):
+    """Record the live group's env and store (all None: none); closes the previous listening socket."""
+    if _current['socket'] is not None and _current['socket'] is not sock:
+        _current['socket'].close()
+    _current.update(env=env, store=store, socket=sock)

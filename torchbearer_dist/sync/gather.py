@@ -8,7 +8,7 @@ is cut off again. :func:`gather_predictions` also puts the rows back in dataset 
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist import comm
+from torchbearer_dist.sync import collectives
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -51,11 +51,11 @@ def all_gather_rows(tensor, device=None):
     .. warning:: A synchronization point: every rank must call it.
     """
     header = _header(tensor)
-    if comm.world_size() == 1:
+    if collectives.world_size() == 1:
         return tensor, [header[0]]
-    device = comm.comm_device(torch.device('cpu')) if device is None else device
+    device = collectives.comm_device(torch.device('cpu')) if device is None else device
     mine = torch.tensor(header, dtype=torch.int64, device=device)
-    headers = [torch.empty_like(mine) for _ in range(comm.world_size())]
+    headers = [torch.empty_like(mine) for _ in range(collectives.world_size())]
     dist.all_gather(headers, mine)
     headers = [h.tolist() for h in headers]
     rows = [h[0] for h in headers]

@@ -1,0 +1,57 @@
+"""Every torchbearer :class:`~torchbearer.callbacks.Callback` of the package, one concern per module.
+
+Each works with no arguments once the process group is up, and does nothing in a job of one
+process, so the same Trial runs unchanged with and without distribution.
+:func:`distributed_callbacks` returns the standard set.
+"""
+from torchbearer_dist.callbacks.broadcast import BroadcastParameters
+from torchbearer_dist.callbacks.even_batches import EvenBatches
+from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
+from torchbearer_dist.callbacks.images import FlattenImages
+from torchbearer_dist.callbacks.lr_scaling import LR_FACTOR, ScaleLearningRate
+from torchbearer_dist.callbacks.metrics import ReduceMetrics
+from torchbearer_dist.callbacks.output import RankZeroOnly, RankZeroOutput
+from torchbearer_dist.callbacks.replicas import CheckReplicas
+from torchbearer_dist.callbacks.sampler import SetSamplerEpoch
+from torchbearer_dist.callbacks.stop import AgreeOnStop
+
+__all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas',
+           'EvenBatches', 'FlattenImages', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'ScaleLearningRate',
+           'SetSamplerEpoch', 'distributed_callbacks']
+
+
+def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
+                          **all_reduce):
+    """The standard set of callbacks that makes a Trial data-parallel, in working order.
+
+    They work wherever they sit in the Trial's callback list, before or after your own callbacks:
+    gradients are averaged before any ``on_backward`` callback runs, and rank 0's weights are copied
+    after every callback's initialisation.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> import torchbearer_dist as tbd
+        >>> trial = Trial(model, optimizer, loss, metrics=['loss', 'acc'],
+        ...               callbacks=[*tbd.distributed_callbacks(flatten_images=True)])
+
+    Args:
+        flatten_images (bool): add :class:`FlattenImages`
+        ddp (bool): the model is DistributedDataParallel (see :func:`~torchbearer_dist.wrap_ddp`), which
+            averages gradients itself: :class:`AgreeOnStop` replaces :class:`AllReduceGradients`
+        broadcast (str): ``method`` of :class:`BroadcastParameters`
+        uneven (str): ``policy`` of :class:`EvenBatches`
+        gather_predictions (bool): ``predict()`` returns the whole dataset's predictions on every rank
+            (:class:`ReduceMetrics`); False keeps each rank's own shard
+        **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``, ...)
+
+    Returns:
+        list: BroadcastParameters, SetSamplerEpoch, EvenBatches, ReduceMetrics, RankZeroOutput,
+        optionally FlattenImages, and AllReduceGradients (or AgreeOnStop) last
+    """
+    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(), EvenBatches(policy=uneven),
+                 ReduceMetrics(gather_predictions=gather_predictions), RankZeroOutput()]
+    if flatten_images:
+        callbacks.append(FlattenImages())
+    callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(**all_reduce))
+    return callbacks
