@@ -119,7 +119,8 @@ def test_without_set_epoch_every_epoch_repeats_the_order(orders):
 
 @pytest.mark.slow
 def test_an_unsharded_training_loader_is_warned_about_once_on_rank_0(orders):
-    assert orders[0]['unsharded'] == ['the training loader has no DistributedSampler, so each of the 2 ranks trains '
+    assert orders[0]['unsharded'] == ['no DistributedSampler is reachable from the training loader (looked at '
+                                      'DataLoader, SequentialSampler, BatchSampler), so each of the 2 ranks trains '
                                       'on all of its data; build it with torchbearer_dist.distributed_loader(dataset, '
                                       'batch_size=...) or pass sampler=DistributedSampler(dataset)']
     assert orders[1]['unsharded'] == []

@@ -21,7 +21,7 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
-                          **all_reduce):
+                          loss_reduction='auto', check_data=True, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
     They work wherever they sit in the Trial's callback list, before or after your own callbacks:
@@ -43,15 +43,21 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         uneven (str): ``policy`` of :class:`EvenBatches`
         gather_predictions (bool): ``predict()`` returns the whole dataset's predictions on every rank
             (:class:`ReduceMetrics`); False keeps each rank's own shard
-        **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``, ...)
+        loss_reduction (str): how the loss combines its samples: ``'auto'`` (a torch loss module with
+            ``reduction='sum'`` is a sum, any other loss a mean), ``'mean'`` or ``'sum'`` (say so for a
+            loss function that sums over the batch): gradients and loss figures are combined alike
+        check_data (bool): the data sentinel of :class:`SetSamplerEpoch` (every rank given the same data)
+        **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,
+            ``check_divergence``, ...)
 
     Returns:
         list: BroadcastParameters, SetSamplerEpoch, EvenBatches, ReduceMetrics, RankZeroOutput,
         optionally FlattenImages, and AllReduceGradients (or AgreeOnStop) last
     """
-    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(), EvenBatches(policy=uneven),
-                 ReduceMetrics(gather_predictions=gather_predictions), RankZeroOutput()]
+    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data),
+                 EvenBatches(policy=uneven),
+                 ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction), RankZeroOutput()]
     if flatten_images:
         callbacks.append(FlattenImages())
-    callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(**all_reduce))
+    callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(loss_reduction=loss_reduction, **all_reduce))
     return callbacks

@@ -3,6 +3,9 @@
 The aggregation itself lives in :mod:`torchbearer_dist.callbacks._aggregators`; this module holds the callback
 that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
 """
+import warnings
+import weakref
+
 import torch
 import torch.distributed as dist
 import torchbearer
@@ -11,7 +14,9 @@ from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
 from torchbearer_dist.callbacks import _aggregators
-from torchbearer_dist.data import distributed_sampler
+from torchbearer_dist.callbacks.gradients import check_loss_reduction, loss_is_summed
+from torchbearer_dist.callbacks.stop import _callback_list
+from torchbearer_dist.data import distributed_samplers
 from torchbearer_dist.runtime.env import current_env
 from torchbearer_dist.sync import collectives, gather
 
@@ -58,6 +63,44 @@ def _predicting(callbacks):
     return False
 
 
+def _padding_sampler(loader):
+    """The DistributedSampler whose padding ReduceMetrics drops, or None; warns once if it cannot tell.
+
+    Several samplers (a wrapper that zips loaders) are trimmed as one when they agree in dataset
+    length, rank, replicas and drop_last: the batches then hold the same positions of every shard.
+    """
+    samplers = [s for s in distributed_samplers(loader) if isinstance(s, DistributedSampler)]
+    if len(samplers) <= 1:
+        return samplers[0] if samplers else None
+    shapes = {(len(s.dataset), s.num_replicas, s.rank, s.drop_last) for s in samplers}
+    if len(shapes) == 1:
+        return samplers[0]
+    padded = any(not s.drop_last and len(s.dataset) % s.num_replicas for s in samplers)
+    if padded and collectives.rank() == 0:
+        warnings.warn('the loader holds {} DistributedSamplers over datasets of different lengths, so ReduceMetrics '
+                      'cannot tell which samples of a batch are padding: the repeated samples count twice; give its '
+                      'datasets a length divisible by the number of ranks'.format(len(samplers)), stacklevel=3)
+    return None
+
+
+class _ScaleSummedLoss(Callback):
+    """Runs after every other callback (appended for a pass): a summed loss, times N, as one process at N x B sums."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor, self._last = factor, None
+
+    def _scale(self, state):
+        loss = state.get(torchbearer.LOSS)
+        if isinstance(loss, torch.Tensor) and loss is not self._last:  # scaled once, however many hooks run
+            self._last = state[torchbearer.LOSS] = loss.detach() * self.factor
+
+    on_backward = on_criterion_validation = _scale
+
+    def __str__(self):
+        return 'summed loss of ReduceMetrics'
+
+
 class ReduceMetrics(Callback):
     """Report epoch metrics over the union of all ranks' samples, identical on every rank, and gather predictions.
 
@@ -77,8 +120,15 @@ class ReduceMetrics(Callback):
     - Any other numeric figure: kept where every rank has the same (epoch, lr), else averaged over
       ranks weighted by their samples.
 
+    With a **summed loss** (a torch loss module with ``reduction='sum'``, or ``loss_reduction='sum'``),
+    one process at N x B reports the sum over N x B samples: every rank's batch loss then counts
+    once per batch, times N, and the loss, ``running_loss`` and ``val_loss`` equal the figures of
+    one process at N x B (``state[torchbearer.LOSS]`` holds that value after backward).
+
     Under a padding DistributedSampler, validation and prediction drop the repeated samples, so each
-    sample counts exactly once. ``Trial.predict()`` on a loader with a DistributedSampler returns, on
+    sample counts exactly once. The sampler is found inside a wrapper loader too; several samplers
+    (a loader that zips loaders) are trimmed as one when they agree in length and rank.
+    ``Trial.predict()`` on a loader with a DistributedSampler returns, on
     every rank, the predictions of the whole dataset in dataset order (each sample once), as one
     process would. ``evaluate()`` and ``predict()`` are collectives: each first checks that every
     rank has joined, and a rank calling one alone raises instead of waiting in a reduction.
@@ -91,6 +141,8 @@ class ReduceMetrics(Callback):
 
     Args:
         gather_predictions (bool): ``False`` makes ``predict()`` return only this rank's own predictions
+        loss_reduction (str): ``'auto'`` (a torch loss module with ``reduction='sum'`` is a sum, any other
+            loss a mean), ``'mean'`` or ``'sum'``
 
     State Requirements:
         - :attr:`torchbearer.state.METRIC_LIST`: its aggregators are replaced at each pass start
@@ -101,29 +153,58 @@ class ReduceMetrics(Callback):
         start of ``evaluate()`` and ``predict()``: every rank must call them.
     """
 
-    def __init__(self, gather_predictions=True):
+    def __init__(self, gather_predictions=True, loss_reduction='auto'):
         super().__init__()
         if not isinstance(gather_predictions, bool):
             raise ValueError('gather_predictions should be True or False, but given {!r}'.format(gather_predictions))
+        check_loss_reduction(loss_reduction)
         self.gather_predictions = gather_predictions
+        self.loss_reduction = loss_reduction
         self._pass = _aggregators.Pass()
         self._remaining = self._sampler = None
-        self._trained = self._predicting = False
+        self._trained = self._predicting = self._summed = False
+        self._scaler, self._scaling = None, None
 
     def on_start(self, state):
         self._trained = False
+        self._summed = collectives.world_size() > 1 and loss_is_summed(state, self.loss_reduction)
 
     def _start_pass(self, state, training):
         self._pass.training, self._pass.samples = training, 0
         _aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
+        self._stop_scaling()
+        if self._summed:  # appended for the pass, after every callback (an @add_to_loss term included)
+            self._scaler = self._scaler or _ScaleSummedLoss(float(collectives.world_size()))
+            callbacks = _callback_list(state)
+            while self._scaler in callbacks:
+                callbacks.remove(self._scaler)
+            callbacks.append(self._scaler)
+            self._scaling = weakref.ref(callbacks)
+
+    def _stop_scaling(self):
+        callbacks = self._scaling() if self._scaling is not None else None
+        if callbacks is not None and self._scaler in callbacks:
+            callbacks.remove(self._scaler)
+        self._scaling = None
+
+    def _weight(self, n):
+        """The weight of a batch value: its samples, or one per batch for a summed loss."""
+        return min(n, 1) if self._summed else n
 
     def on_start_training(self, state):
         self._trained = True
         self._start_pass(state, True)
 
     def on_sample(self, state):
-        self._pass.batch = batch_size(state)
-        self._pass.samples += self._pass.batch
+        n = batch_size(state)
+        self._pass.batch = self._weight(n)
+        self._pass.samples += n
+
+    def on_end_training(self, state):
+        self._stop_scaling()
+
+    def on_end(self, state):
+        self._stop_scaling()
 
     def on_start_validation(self, state):
         self._predicting = _predicting(state[torchbearer.CALLBACK_LIST])
@@ -131,7 +212,7 @@ class ReduceMetrics(Callback):
             _check_in('predict' if self._predicting else 'evaluate')
         self._start_pass(state, False)
         self._remaining = None
-        self._sampler = distributed_sampler(state.get(torchbearer.GENERATOR))
+        self._sampler = _padding_sampler(state.get(torchbearer.GENERATOR))
         if isinstance(self._sampler, DistributedSampler) and not self._sampler.drop_last:
             total = len(self._sampler.dataset)
             self._remaining = len(range(self._sampler.rank, total, self._sampler.num_replicas))
@@ -146,10 +227,11 @@ class ReduceMetrics(Callback):
                     if key in state:
                         state[key] = _trim(state[key], keep)
                 n = keep
-        self._pass.batch = n
+        self._pass.batch = self._weight(n)
         self._pass.samples += n
 
     def on_end_validation(self, state):
+        self._stop_scaling()
         if not (self._predicting and self.gather_predictions and isinstance(self._sampler, DistributedSampler)):
             return
         if collectives.world_size() == 1:

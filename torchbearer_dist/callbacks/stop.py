@@ -24,7 +24,8 @@ class _LastWord(Callback):
         self.owner._agree_on_stop(state, state[torchbearer.STOP_TRAINING])
 
     def __str__(self):
-        return 'stop agreement of {}'.format(type(self.owner).__name__)
+        owner = self.owner.gradients if self.owner.gradients is not None else self.owner
+        return 'stop agreement of {}'.format(owner.__class__.__name__)
 
 
 def _callback_list(state):
@@ -63,14 +64,19 @@ class AgreeOnStop(Callback):
     .. warning:: A synchronization point at each step (without gradient buckets) and each epoch end.
     """
 
-    buckets = None
-
     def __init__(self):
         super().__init__()
         self._stop_requested = False
         self._stop_agreed = False
         self._last_word = _LastWord(self)
         self._run_state = None
+        #: The AllReduceGradients that holds this agreement (its buckets carry the request), or None.
+        self.gradients = None
+
+    @property
+    def buckets(self):
+        """The gradient buckets that carry a stop request with the step's gradients, or None."""
+        return None if self.gradients is None else self.gradients.buckets
 
     def on_start_training(self, state):
         self._stop_requested = self._stop_agreed = False
@@ -93,9 +99,12 @@ class AgreeOnStop(Callback):
 
     def _stopped_by_buckets(self):
         """Whether the gradients of this step carried a stop request from some rank."""
-        return False
+        buckets = self.buckets
+        return buckets is not None and buckets.synced and buckets.stop
 
     def _after_step(self, state):
+        if self.gradients is not None:
+            self.gradients._after_step(state)  # the step's last checks, after every other callback
         if self._stopped_by_buckets():
             self._stop_requested, self._stop_agreed = False, True
             state[torchbearer.STOP_TRAINING] = True

@@ -81,6 +81,9 @@ class GradientBuckets:
             ``False`` fills and starts every bucket at the end of backward, ``'auto'`` overlaps only
             when the parameters span more than one bucket
         sync_every (int): synchronize only every k-th armed backward; the others stay local
+        average (bool): ``True`` averages the gradients over ranks (a loss that is a mean over the
+            batch); ``False`` sums them (a loss summed over the batch, ``reduction='sum'``): either
+            way the result is the gradient of one process at N x B
 
     Raises:
         ValueError: a bad capacity, compression or overlap
@@ -89,10 +92,12 @@ class GradientBuckets:
     """
 
     def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto',
-                 sync_every=1, powersgd=None):
+                 sync_every=1, powersgd=None, average=True):
         check_options(bucket_cap_mb, compression, overlap)
         self.compression = _COMPRESSION[compression]
         self.world_size = dist.get_world_size()
+        self.average = bool(average)
+        self._divisor = self.world_size if self.average else 1
         self.params = list(params)
         check_supported(('#{}'.format(i), p) for i, p in enumerate(self.params))
         # PowerSGD replaces the buckets: it averages every .grad itself at the end of backward.
@@ -114,7 +119,13 @@ class GradientBuckets:
         return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
 
     def attach(self, module=None):
-        """Register the hooks that notice backward: per parameter with overlap, else on ``module``'s output."""
+        """Register the hooks that notice backward: per parameter with overlap, else on the modules' outputs.
+
+        Args:
+            module (torch.nn.Module or list): the module, or modules, whose outputs backward passes
+                start from (a GAN's generator and discriminator); a parameter outside them gets a
+                hook of its own, so every backward that reaches a parameter is noticed
+        """
         if self._hooks:
             return
         if self.overlap:
@@ -122,9 +133,10 @@ class GradientBuckets:
                 for position, p in enumerate(bucket.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._overlap_hook(bucket, position)))
             return
-        inside = set() if module is None else {id(p) for p in module.parameters()}
-        if module is not None:
-            self._hooks.append(module.register_forward_hook(self._on_forward))
+        modules = [] if module is None else [module] if isinstance(module, torch.nn.Module) else list(module)
+        inside = {id(p) for m in modules for p in m.parameters()}
+        for m in modules:
+            self._hooks.append(m.register_forward_hook(self._on_forward))
         for p in self.params:
             if id(p) not in inside:  # reached without the model's output, e.g. a learnable loss term
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._notice))
@@ -150,7 +162,7 @@ class GradientBuckets:
             self._next = 0
             self._unfinished = False
         self._armed = True
-        self._in_backward = self.synced = False
+        self._in_backward = self.synced = self.stop = False
         self.began = 0
 
     def disarm(self):
@@ -175,10 +187,9 @@ class GradientBuckets:
         self._in_backward = True
         self.began += 1
         self.backwards += 1
+        # A second backward in the step (a GAN's discriminator pass) synchronizes again: the gradients
+        # averaged before are equal on every rank, so averaging them again leaves them as they are.
         self._syncing = self.backwards % self.sync_every == 0
-        if self.synced:
-            raise RuntimeError('a second backward pass in one training step after its gradients were averaged; call '
-                               'backward once per step, or pass sync_every=k to average only every k-th backward')
         _queue_at_backward_end(self._end_sync if self._syncing else self._end_local)
 
     def _end_local(self):
@@ -235,7 +246,8 @@ class GradientBuckets:
         if self.compression is None:
             bucket.wire = bucket.flat
         else:
-            bucket.grads.div_(self.world_size)
+            if self._divisor != 1:
+                bucket.grads.div_(self._divisor)
             bucket.wire = bucket.flat.to(self.compression)
         bucket.sent = self._unfinished = True
         bucket.work = dist.all_reduce(bucket.wire, async_op=True)
@@ -245,19 +257,24 @@ class GradientBuckets:
         bucket.work.wait()
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
-        else:
-            bucket.grads.div_(self.world_size)
+        elif self._divisor != 1:
+            bucket.grads.div_(self._divisor)
 
     def reduce(self):
         """Send what backward left unsent, wait for every bucket and average: the one place buckets are reduced.
 
-        Runs at the end of every synchronizing backward. Afterwards every ``p.grad`` holds the average,
-        :attr:`stop` says whether any rank asked to stop, and :attr:`nonfinite` whether the average
-        held NaN or Inf, in which case every gradient is set to None on every rank alike.
+        Runs at the end of every synchronizing backward. Afterwards every ``p.grad`` holds the average
+        (the sum with ``average=False``), :attr:`stop` says whether any rank asked to stop in this step,
+        and :attr:`nonfinite` whether the average held NaN or Inf, in which case every gradient is set
+        to None on every rank alike.
 
         .. warning:: A synchronization point: every rank must reduce once per synchronizing step.
         """
-        self.stop = self.powersgd is not None and self.powersgd.reduce(stop=self._stop > 0)
+        stop = self.powersgd is not None and self.powersgd.reduce(stop=self._stop > 0)
+        if self.powersgd is not None and not self.average:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.world_size)
         buckets = self.buckets
         for bucket in buckets[self._next:]:
             self._start(bucket, bucket.fill())
@@ -265,15 +282,17 @@ class GradientBuckets:
             self._wait(bucket)
             bucket.unpack()
             if bucket.last:
-                self.stop = bucket.flat[-1].item() > 0
+                stop = bucket.flat[-1].item() > 0
             bucket.reset()
+        self.stop = self.stop or stop
         self._next = 0
         self._stop = 0.0
         self._unfinished = False
         if self._ready is not None:  # from the next step on, pack in rank 0's gradient-ready order, as DDP does
             self._repack, self._ready = ready_order(self.params, self._ready, self.buckets), None
-        self.nonfinite = not self.all_finite()
-        if self.nonfinite:
+        nonfinite = not self.all_finite()
+        self.nonfinite = self.nonfinite or nonfinite
+        if nonfinite:
             for p in self.params:
                 p.grad = None
 

@@ -42,9 +42,26 @@ def check_same_model(module, src=0):
     """
     if collectives.world_size() == 1:
         return
-    entries = list(module.state_dict().items())
+    check_same_tensors(list(module.state_dict().items()), src, collectives.comm_device(module_device(module)))
+
+
+def check_same_tensors(entries, src=0, device=None):
+    """:func:`check_same_model` for a list of ``(name, tensor)`` pairs, such as every model a Trial holds.
+
+    Args:
+        entries (list): ``(name, tensor)`` pairs in the same order on every rank
+        src (int): the rank whose entry the message quotes as the reference
+        device (torch.device): where the check travels; by default, chosen for the backend
+
+    Raises:
+        RuntimeError: the names, shapes or dtypes differ; the message names the first entry that differs
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    if collectives.world_size() == 1:
+        return
+    device = device or collectives.comm_device(entries[0][1].device if entries else torch.device('cpu'))
     descriptions = [_describe_entry(name, tensor) for name, tensor in entries]
-    device = collectives.comm_device(module_device(module))
     total = collectives._hash('\n'.join(descriptions))
     (count_max, hash_max), (count_min, hash_min) = collectives._max_and_min([len(entries), total], device)
     if count_max == count_min and hash_max == hash_min:
@@ -111,6 +128,14 @@ def broadcast_buffers(module, src=0):
     .. warning:: A synchronization point: every rank must call it.
     """
     _broadcast_tensors(list(module.buffers()), src, 'broadcast')
+
+
+def broadcast_tensors(tensors, src=0, method='broadcast'):
+    """Copy ``src``'s values of ``tensors`` (in the same order on every rank) into every rank's, in place.
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    _broadcast_tensors(list(tensors), src, method)
 
 
 def _broadcast_tensors(tensors, src, method):
@@ -186,3 +211,109 @@ def check_replicas(module, buffers=True):
         first = differs.index(True)
         raise RuntimeError("replicas diverged: '{}' differs across ranks (first of {} differing tensors); "
                            "something updated the model on one rank only".format(entries[first][0], sum(differs)))
+
+
+_MODULUS = 2 ** 61 - 1  # fingerprints below it, so that their negatives fit an int64 too
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_weights = torch.zeros(0, dtype=torch.int64)
+
+
+def _position_weights(n, device):
+    global _weights
+    if _weights.numel() < n:
+        _weights = torch.arange(1, n + 1, dtype=torch.int64)
+    return _weights[:n].to(device)
+
+
+def fingerprint(tensor):
+    """Two integers that change with any bit of ``tensor``'s values and with their order.
+
+    The values are read as integers of their own width (a float32 as an int32), and summed plain and
+    weighted by position in int64, whose wrap-around makes the sums exact and independent of the
+    order of summation: equal tensors give equal fingerprints on every rank, whatever its threads.
+
+    Args:
+        tensor (torch.Tensor): any dense tensor
+
+    Returns:
+        torch.Tensor: two int64 in ``[0, 2**61 - 1)``, on the tensor's device
+    """
+    with torch.no_grad():
+        values = tensor.detach()
+        if values.is_complex():
+            values = torch.view_as_real(values)
+        values = values.contiguous().reshape(-1)
+        if values.dtype == torch.bool:
+            values = values.to(torch.int8)
+        elif values.is_floating_point():
+            values = values.view(_SAME_SIZE_INT[values.element_size()])
+        values = values.to(torch.int64)
+        weights = _position_weights(values.numel(), values.device)
+        return torch.stack([values.sum(), (values * weights).sum()]).remainder(_MODULUS)
+
+
+def differing_tensors(named_tensors, device=None):
+    """The names of the tensors whose values differ across ranks, the same list on every rank.
+
+    One all-reduce of eight integers when every rank agrees (the number and names of the tensors,
+    and a combined fingerprint of their values); only on a difference a second one, of two integers
+    per tensor, finds which differ. Cheap enough to run at every epoch end: see
+    :class:`~torchbearer_dist.AllReduceGradients` (``check_divergence``).
+
+    Example:
+
+        .. code-block:: python
+
+            from torchbearer_dist.sync.models import differing_tensors
+            assert not differing_tensors(list(model.state_dict().items()))
+
+    Args:
+        named_tensors (list): ``(name, tensor)`` pairs, in the same order on every rank
+        device (torch.device): where the fingerprints travel; by default, chosen for the backend
+
+    Returns:
+        list: names of the tensors that differ (empty when every rank holds the same values)
+
+    Raises:
+        RuntimeError: the ranks hold different numbers or names of tensors
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    if collectives.world_size() == 1:
+        return []
+    first = named_tensors[0][1].device if named_tensors else torch.device('cpu')
+    device = device or collectives.comm_device(first)
+    prints = torch.stack([fingerprint(t).to(device) for _, t in named_tensors]) if named_tensors else \
+        torch.zeros((0, 2), dtype=torch.int64, device=device)
+    odd = 2 * torch.arange(len(named_tensors), dtype=torch.int64, device=device) + 1  # odd: no bit is lost
+    names = collectives._hash('\n'.join(name for name, _ in named_tensors))
+    summary = torch.zeros(4, dtype=torch.int64, device=device)
+    summary[0], summary[1] = len(named_tensors), names % _MODULUS
+    summary[2:] = (prints * odd.unsqueeze(1)).sum(dim=0).remainder(_MODULUS)  # int64 wraps: exact, in any order
+    both = torch.cat([summary, -summary])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[:4], -both[4:]
+    if torch.equal(high, low):
+        return []
+    if high[0] != low[0] or high[1] != low[1]:
+        raise RuntimeError('the ranks compare different sets of tensors ({} to {} tensors); every rank must hold the '
+                           'same models and optimizers'.format(int(low[0]), int(high[0])))
+    flat = prints.reshape(-1)
+    both = torch.cat([flat, -flat])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    differs = (both[:flat.numel()] != -both[flat.numel():]).reshape(-1, 2).any(dim=1).tolist()
+    return [name for (name, _), bad in zip(named_tensors, differs) if bad]
+
+
+def broadcast_buffers_of(modules, src=0):
+    """Copy ``src``'s buffers of every module in ``modules`` into every rank's, each buffer once.
+
+    .. warning:: A synchronization point: every rank must call it.
+    """
+    seen, buffers = set(), []
+    for module in modules:
+        for buffer in module.buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                buffers.append(buffer)
+    _broadcast_tensors(buffers, src, 'broadcast')

@@ -1,0 +1,130 @@
+"""What a Trial holds: every model and optimizer reachable from its state, under any key.
+
+torchbearer keeps the model and optimizer under ``state[MODEL]`` and ``state[OPTIMIZER]``, but programs
+keep more: a GAN stores its discriminator and both optimizers under keys of its own and steps them
+from a closure. Every callback that synchronises models or gradients asks this module, so that what
+the package can find, it synchronises, whatever key holds it. The order is the same on every rank:
+``state[MODEL]`` and ``state[OPTIMIZER]`` first, then the other keys sorted by name.
+"""
+import torch
+import torchbearer
+
+
+def _label(key):
+    return 'state[{}]'.format(key)
+
+
+def _ordered_items(state):
+    first = [torchbearer.MODEL, torchbearer.OPTIMIZER, torchbearer.CRITERION]
+    items = [(key, state[key]) for key in first if key in state]
+    rest = sorted((key for key in state.keys() if key not in first), key=str)
+    return items + [(key, state[key]) for key in rest]
+
+
+def _values(label, value, depth=0):
+    """``(label, value)`` of ``value`` and, one or two levels down, of the items of lists, tuples and dicts."""
+    yield label, value
+    if depth >= 2:
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _values('{}[{}]'.format(label, i), item, depth + 1)
+    elif isinstance(value, dict) and not isinstance(value, torchbearer.State):
+        for name in sorted(value, key=str):
+            yield from _values('{}[{!r}]'.format(label, name), value[name], depth + 1)
+
+
+def _param_groups(value):
+    """The ``param_groups`` of an optimizer, or of an optimizer wrapper's ``.optimizer``; None for anything else."""
+    if isinstance(value, torch.nn.Module):
+        return None
+    for candidate in (value, getattr(value, 'optimizer', None)):
+        groups = getattr(candidate, 'param_groups', None)
+        if isinstance(groups, list) and all(isinstance(g, dict) and 'params' in g for g in groups):
+            return groups
+    return None
+
+
+def held_modules(state):
+    """``(label, module)`` of every distinct ``nn.Module`` that the state holds, ``state[model]`` first.
+
+    Args:
+        state (dict): a Trial's state
+
+    Returns:
+        list: pairs such as ``('state[model]', generator)``, ``('state[disc_model]', discriminator)``
+    """
+    found, seen = [], set()
+    for key, value in _ordered_items(state):
+        for label, item in _values(_label(key), value):
+            if isinstance(item, torch.nn.Module) and id(item) not in seen:
+                seen.add(id(item))
+                found.append((label, item))
+    return found
+
+
+def held_optimizers(state):
+    """``(label, param_groups)`` of every distinct optimizer that the state holds, ``state[optimizer]`` first."""
+    found, seen = [], set()
+    for key, value in _ordered_items(state):
+        for label, item in _values(_label(key), value):
+            groups = _param_groups(item)
+            if groups is not None and id(groups) not in seen:
+                seen.add(id(groups))
+                found.append((label, groups))
+    return found
+
+
+def parameter_names(modules):
+    """``id(parameter) -> 'state[key].name'`` for every parameter of ``modules``, the first holder's name."""
+    names = {}
+    for label, module in modules:
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), '{}.{}'.format(label, name))
+    return names
+
+
+def trainable(state):
+    """``(name, parameter)`` of every parameter whose gradient is averaged: the model's, then every optimizer's.
+
+    These are the trainable parameters of ``state[MODEL]`` and every parameter that any optimizer in
+    the state steps (the discriminator of a GAN, a learnable term of the loss), each once. The
+    names say where the parameter lives, e.g. ``fc.weight`` (in ``state[MODEL]``),
+    ``state[disc_model].fc.weight`` or ``state[optimizer] param_groups[0] #1``.
+    """
+    model = state.get(torchbearer.MODEL)
+    named, seen = [], set()
+    if isinstance(model, torch.nn.Module):
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    names = parameter_names(held_modules(state))
+    for label, groups in held_optimizers(state):
+        for g, group in enumerate(groups):
+            for i, p in enumerate(group['params']):
+                if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((names.get(id(p), '{} param_groups[{}] #{}'.format(label, g, i)), p))
+    return named
+
+
+def synchronised(state):
+    """``(name, tensor)`` of every parameter and buffer that the ranks keep identical, each tensor once.
+
+    Every module's ``state_dict`` entries (named ``name`` in ``state[MODEL]``, ``state[key].name``
+    elsewhere), then the optimizers' parameters that no module holds.
+    """
+    model = state.get(torchbearer.MODEL)
+    entries, seen = [], set()
+    for label, module in held_modules(state):
+        prefix = '' if module is model else label + '.'
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                seen.add(id(tensor))
+                entries.append((prefix + name, tensor))
+    for name, p in trainable(state):
+        if id(p) not in seen:
+            seen.add(id(p))
+            entries.append((name, p))
+    return entries
