@@ -165,15 +165,6 @@ _MAX_SAMPLERS = 4
 _FIELDS = 7 + 2 * _MAX_SAMPLERS  # per loader: see _loader_row
 
 
-def _datasets(loader):
-    datasets = []
-    for inner in [loader] + _reachable(loader)[1]:
-        dataset = getattr(inner, 'dataset', None)
-        if dataset is not None and all(d is not dataset for d in datasets):
-            datasets.append(dataset)
-    return datasets
-
-
 def _length(value):
     try:
         return len(value)
@@ -250,19 +241,28 @@ def _sample_print(dataset, samples=3):
             numpy.random.set_state(numpy_state)
 
 
-def _loader_row(loader, training):
-    """present, datasets, samples, index print, sample print, samplers, sampler settings; then rank, replicas."""
+def _loader_row(loader):
+    """present, datasets, samples, index print, sample print, samplers, sampler settings; then rank, replicas.
+
+    Only data that a DistributedSampler shards is compared: without one, each rank may read a shard of
+    its own (its own files), which differs by design.
+    """
     row = [0] * _FIELDS
     if loader is None:
         return row
-    datasets = _datasets(loader)
-    lengths = [_length(d) for d in datasets] if datasets else [_length(loader)]
-    samplers = distributed_samplers(loader) if training else []
+    row[0] = 1
+    samplers = distributed_samplers(loader)
+    datasets = []
+    for sampler in samplers:
+        dataset = getattr(sampler, 'dataset', None)
+        if dataset is not None and all(d is not dataset for d in datasets):
+            datasets.append(dataset)
     settings = [(getattr(s, 'num_replicas', 0), int(getattr(s, 'seed', 0)), int(bool(getattr(s, 'shuffle', False))),
                  int(bool(getattr(s, 'drop_last', False))), _length(getattr(s, 'dataset', ()))) for s in samplers]
-    row[:7] = [1, len(datasets), sum(lengths), _combine([p for d in datasets for p in _index_prints(d)]),
-               _combine([_sample_print(d) for d in datasets]), len(samplers),
-               _combine([collectives._hash(repr(s)) for s in settings])]
+    row[1:7] = [len(datasets), sum(_length(d) for d in datasets),
+                _combine([p for d in datasets for p in _index_prints(d)]),
+                _combine([_sample_print(d) for d in datasets]), len(samplers),
+                _combine([collectives._hash(repr(s)) for s in settings])]
     for i, sampler in enumerate(samplers[:_MAX_SAMPLERS]):
         row[7 + 2 * i] = int(getattr(sampler, 'rank', -1))
         row[8 + 2 * i] = int(getattr(sampler, 'num_replicas', 0))
@@ -272,13 +272,15 @@ def _loader_row(loader, training):
 def check_same_data(loaders):
     """Check that every rank was given the same data, and that the training shards do not overlap.
 
-    For each loader (and each loader inside a wrapper loader) the ranks compare the length of its
-    dataset, a fingerprint of the index lists along the dataset's chain (a ``Subset``'s indices,
-    torchbearer's ``DatasetValidationSplitter`` ids) and of a few samples, read under one fixed seed.
-    For the training loader they also compare the settings of every DistributedSampler (seed,
-    shuffle, drop_last, dataset length) and check that the samplers' ranks are distinct and their
-    ``num_replicas`` is the job's size: the shards of an epoch then overlap only by the sampler's
-    padding. One all-gather of a few integers per rank and loader.
+    For each dataset that a DistributedSampler shards (reachable from each loader, inside a wrapper
+    loader too), which must be the same on every rank, the ranks compare its length, a fingerprint
+    of the index lists along the dataset's chain (a ``Subset``'s indices, torchbearer's
+    ``DatasetValidationSplitter`` ids) and of a few samples, read under one fixed seed. They also
+    compare the settings of every DistributedSampler (seed, shuffle, drop_last, dataset length) and
+    check that the samplers' ranks are distinct and their ``num_replicas`` is the job's size: the
+    shards of an epoch then overlap only by the sampler's padding. A loader without a
+    DistributedSampler is not compared (each rank may read its own files). One all-gather of a few
+    integers per rank and loader.
 
     Example:
 
@@ -297,7 +299,7 @@ def check_same_data(loaders):
     size = collectives.world_size()
     if size == 1:
         return
-    rows = [_loader_row(loaders.get(name), name == 'training') for name in _LOADERS]
+    rows = [_loader_row(loaders.get(name)) for name in _LOADERS]
     local = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
     device = collectives.comm_device(torch.device('cpu'))
     table = [torch.zeros_like(local, device=device) for _ in range(size)]

@@ -64,22 +64,20 @@ def _predicting(callbacks):
 
 
 def _padding_sampler(loader):
-    """The DistributedSampler whose padding ReduceMetrics drops, or None; warns once if it cannot tell.
+    """The DistributedSampler whose padding ReduceMetrics drops, or None; warns once per pass if it cannot tell.
 
-    Several samplers (a wrapper that zips loaders) are trimmed as one when they agree in dataset
-    length, rank, replicas and drop_last: the batches then hold the same positions of every shard.
+    With several samplers (a wrapper that zips loaders) a batch mixes their shards, and which of its
+    samples are padding cannot be told from the batch: none is dropped, and rank 0 warns when some is.
     """
     samplers = [s for s in distributed_samplers(loader) if isinstance(s, DistributedSampler)]
     if len(samplers) <= 1:
         return samplers[0] if samplers else None
-    shapes = {(len(s.dataset), s.num_replicas, s.rank, s.drop_last) for s in samplers}
-    if len(shapes) == 1:
-        return samplers[0]
-    padded = any(not s.drop_last and len(s.dataset) % s.num_replicas for s in samplers)
+    padded = [s for s in samplers if not s.drop_last and len(s.dataset) % s.num_replicas]
     if padded and collectives.rank() == 0:
-        warnings.warn('the loader holds {} DistributedSamplers over datasets of different lengths, so ReduceMetrics '
-                      'cannot tell which samples of a batch are padding: the repeated samples count twice; give its '
-                      'datasets a length divisible by the number of ranks'.format(len(samplers)), stacklevel=3)
+        warnings.warn('the loader holds {} DistributedSamplers, so ReduceMetrics cannot tell which samples of a batch '
+                      'are the padding a sampler repeats: they count twice; give each dataset a length divisible by '
+                      'the number of ranks ({}), or pass drop_last=True to the samplers'.format(
+                          len(samplers), samplers[0].num_replicas), stacklevel=3)
     return None
 
 
@@ -126,8 +124,8 @@ class ReduceMetrics(Callback):
     one process at N x B (``state[torchbearer.LOSS]`` holds that value after backward).
 
     Under a padding DistributedSampler, validation and prediction drop the repeated samples, so each
-    sample counts exactly once. The sampler is found inside a wrapper loader too; several samplers
-    (a loader that zips loaders) are trimmed as one when they agree in length and rank.
+    sample counts exactly once. The sampler is found inside a wrapper loader too; with several
+    samplers (a loader that zips loaders) the padding cannot be told apart, and rank 0 warns.
     ``Trial.predict()`` on a loader with a DistributedSampler returns, on
     every rank, the predictions of the whole dataset in dataset order (each sample once), as one
     process would. ``evaluate()`` and ``predict()`` are collectives: each first checks that every

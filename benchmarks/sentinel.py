@@ -1,0 +1,124 @@
+"""The cost of the sentinels that are on by default: the divergence sentinel and the data sentinel.
+
+Usage::
+
+    python benchmarks/sentinel.py             # 2 ranks, 5 interleaved repeats of one epoch per model
+    python benchmarks/sentinel.py --quick     # a smoke run
+
+Two models, each trained for one epoch by a Trial with :func:`torchbearer_dist.distributed_callbacks`,
+2 ranks on gloo, one thread per rank: the MNIST example (its 784-100-10 perceptron, 4,000 digits,
+batch 32 per rank, from ``example_parts.py``) and the 1.2M-parameter CNN of ``contenders.cnn1m`` (PyTorch's
+MNIST example CNN) on 1,024 random 1x28x28 images, batch 32 per rank. The sentinels' own time is measured
+directly (every call of :func:`~torchbearer_dist.sync.models.differing_tensors` and of
+:func:`~torchbearer_dist.data.check_same_data` is timed inside the run) and given as a share of the
+epoch: a run of one epoch makes two divergence checks (after the first step, at the end of the pass)
+and one data check, so the share falls with longer epochs. The runs with the divergence sentinel on
+and off are interleaved; their difference in wall time is printed too, but on a shared machine it is
+noise beside the direct figure.
+"""
+import argparse
+import statistics
+import time
+
+import contenders
+import torch
+import torchbearer
+from example_parts import Net, load_mnist_5k_flat
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import torchbearer_dist
+from torchbearer_dist.callbacks import sampler as sampler_callbacks
+from torchbearer_dist.sync import models
+
+BATCH = 32
+
+
+class _Timed:
+    """Wraps a function and adds up the seconds spent in it."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def _data(model_name):
+    if model_name == 'example':
+        return load_mnist_5k_flat()[0]
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(1024, 1, 28, 28, generator=g), torch.randint(0, 10, (1024,), generator=g))
+
+
+def _model(model_name):
+    torch.manual_seed(0)
+    return Net() if model_name == 'example' else contenders.cnn1m()
+
+
+def _epoch(model_name, dataset, check_divergence, divergence, data):
+    model = _model(model_name)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, seed=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], verbose=0,
+                              callbacks=torchbearer_dist.distributed_callbacks(check_divergence=check_divergence))
+    trial.with_train_generator(loader)
+    before = divergence.seconds, data.seconds
+    start = time.perf_counter()
+    trial.run(1)
+    return time.perf_counter() - start, divergence.seconds - before[0], data.seconds - before[1]
+
+
+def _worker(model_names, repeats):
+    torch.set_num_threads(1)
+    divergence = models.differing_tensors = _Timed(models.differing_tensors)
+    data = sampler_callbacks.check_same_data = _Timed(sampler_callbacks.check_same_data)
+    results = {}
+    for name in model_names:
+        dataset = _data(name)
+        _epoch(name, dataset, True, divergence, data)  # warm-up
+        runs = {True: [], False: []}
+        for repeat in range(repeats):
+            for flag in ((True, False) if repeat % 2 == 0 else (False, True)):
+                runs[flag].append(_epoch(name, dataset, flag, divergence, data))
+        results[name] = {'parameters': sum(p.numel() for p in _model(name).parameters()), 'runs': runs}
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--ranks', type=int, default=2)
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--models', type=str, default='example,cnn1m')
+    parser.add_argument('--quick', action='store_true', help='one repeat of the example only')
+    args = parser.parse_args(argv)
+    names = ['example'] if args.quick else args.models.split(',')
+    repeats = 1 if args.quick else args.repeats
+    per_rank = torchbearer_dist.launch(_worker, args.ranks, args=(names, repeats), timeout=120)
+    print('{} ranks, gloo, 1 thread per rank, batch {} per rank, one epoch per run, {} runs each way'.format(
+        args.ranks, BATCH, repeats))
+    print('{:8} {:>10} {:>10} {:>11} {:>11} {:>9} {:>11} {:>9} {:>11}'.format(
+        'model', 'params', 'epoch on', 'epoch off', 'divergence', 'share', 'data check', 'share', 'on - off'))
+    for name in names:
+        worst = None
+        for rank, results in enumerate(per_rank):
+            runs = results[name]['runs']
+            epoch_on = statistics.median(r[0] for r in runs[True])
+            epoch_off = statistics.median(r[0] for r in runs[False])
+            divergence = statistics.median(r[1] for r in runs[True])
+            data = statistics.median(r[2] for r in runs[True])
+            row = (epoch_on, epoch_off, divergence, data)
+            worst = row if worst is None or divergence / epoch_on > worst[2] / worst[0] else worst
+        epoch_on, epoch_off, divergence, data = worst
+        print('{:8} {:>10,} {:>9.3f}s {:>9.3f}s {:>9.2f}ms {:>8.3f}% {:>9.2f}ms {:>8.3f}% {:>+10.3f}s'.format(
+            name, results[name]['parameters'], epoch_on, epoch_off, divergence * 1e3, 100 * divergence / epoch_on,
+            data * 1e3, 100 * data / epoch_on, epoch_on - epoch_off))
+
+
+if __name__ == '__main__':
+    main()
