@@ -4,7 +4,6 @@ The aggregation itself lives in :mod:`torchbearer_dist.callbacks._aggregators`; 
 that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
 """
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -177,10 +176,10 @@ class ReduceMetrics(Callback):
             while self._scaler in callbacks:
                 callbacks.remove(self._scaler)
             callbacks.append(self._scaler)
-            self._scaling = weakref.ref(callbacks)
+            self._scaling = callbacks  # released at the pass end (or the next pass start, after a raise)
 
     def _stop_scaling(self):
-        callbacks = self._scaling() if self._scaling is not None else None
+        callbacks = self._scaling
         if callbacks is not None and self._scaler in callbacks:
             callbacks.remove(self._scaler)
         self._scaling = None
