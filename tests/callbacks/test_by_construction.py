@@ -7,7 +7,6 @@ DistributedSampler; an unseeded ``DatasetValidationSplitter``; and a parameter l
 on purpose. Every scenario of one world size runs in one launch of real gloo ranks; the references
 are computed here, in one process at N x B.
 """
-import functools
 import random
 import warnings
 
@@ -271,14 +270,10 @@ def _worker():
     return run_in_step((name, SCENARIOS[name]) for name in SCENARIOS)
 
 
-@functools.lru_cache(maxsize=None)
-def _launch(world_size):
-    return run_workers(_worker, world_size, deadline=150)
-
-
 @pytest.fixture(scope='module', params=[2, 3], ids=['2ranks', '3ranks'])
 def world(request):
-    return request.param, _launch(request.param)
+    """One launch per world size runs every scenario."""
+    return request.param, run_workers(_worker, request.param, deadline=150)
 
 
 @pytest.mark.slow
