@@ -246,8 +246,11 @@ def fingerprint(tensor):
     """
     with torch.no_grad():
         words, rest = _words(tensor)
-        tail = (rest * torch.arange(1, rest.numel() + 1, dtype=torch.int64, device=rest.device)).sum()
-        return torch.stack([words.sum() + tail, words[:words.numel() // 2].sum() + 3 * tail]).remainder(_MODULUS)
+        total, half = words.sum(), words[:words.numel() // 2].sum()
+        if rest.numel():
+            tail = (rest * torch.arange(1, rest.numel() + 1, dtype=torch.int64, device=rest.device)).sum()
+            total, half = total + tail, half + 3 * tail
+        return torch.stack([total, half]).remainder(_MODULUS)
 
 
 def differing_tensors(named_tensors, device=None):
