@@ -261,8 +261,37 @@ def _scenario_unseeded_split():
     return None
 
 
+# --- Something that cannot be synchronised, under a key of the program's own: every rank stops before step 1.
+
+class _SparseTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3).to_sparse())
+
+
+SPARSE = torchbearer.state_key('sparse_table')
+SPARSE_OPT = torchbearer.state_key('sparse_opt')
+
+
+def _scenario_unsupported():
+    model = _zip_model(SEED)
+    table = _SparseTable()
+    dataset = _zip_datasets(dist.get_world_size())[0]
+    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                  callbacks=torchbearer_dist.distributed_callbacks(), verbose=0)
+    trial.state.update({SPARSE: table, SPARSE_OPT: torch.optim.SGD(table.parameters(), lr=0.1)})
+    trial.with_train_generator(torchbearer_dist.distributed_loader(dataset, batch_size=B))
+    before = _snapshot(model)
+    try:
+        trial.run(1)
+    except ValueError as error:
+        return {'error': str(error), 'untouched': _max_difference(_snapshot(model), before) == 0}
+    return None
+
+
 SCENARIOS = {'gan': _scenario_gan, 'vae': _scenario_vae, 'zip': _scenario_zip,
-             'unseeded_split': _scenario_unseeded_split, 'unsynchronised': _scenario_unsynchronised}
+             'unseeded_split': _scenario_unseeded_split, 'unsynchronised': _scenario_unsynchronised,
+             'unsupported': _scenario_unsupported}
 
 
 def _worker():
@@ -334,3 +363,13 @@ def test_an_unsynchronised_discriminator_is_named_by_the_divergence_sentinel(wor
         "(4 of 8 tensors differ); something updated it on one rank only, such as an optimizer or module that "
         "trial.state does not hold (store it there) or a callback that edits weights on one rank; "
         "AllReduceGradients(check_divergence=False) turns this check off")
+
+
+@pytest.mark.slow
+def test_a_parameter_that_cannot_be_averaged_under_a_key_of_its_own_stops_every_rank_naming_it(world):
+    _, results = world
+    values = scenario_values(results, 'unsupported')
+    assert all(v is not None and v['untouched'] for v in values)
+    assert {v['error'] for v in values} == {
+        "parameter 'state[sparse_table].w' (float32, torch.sparse_coo) cannot be averaged by AllReduceGradients: "
+        "only dense floating or complex parameters are; make it dense, or freeze it (requires_grad=False)"}
