@@ -357,4 +357,5 @@ def _compare_loader(name, rows, size):
             holders = [str(k) for k, r in enumerate(ranks) if r == twice]
             raise RuntimeError('{} has a DistributedSampler with rank={} on ranks {}, so their shards of each epoch '
                                'are the same samples; build it inside the process group (DistributedSampler(dataset) '
-                               'or torchbearer_dist.distributed_loader)'.format(what, twice, ' and '.join(holders)))
+                               'or torchbearer_dist.distributed_loader)'.format(what, twice,
+                                                                 ', '.join(holders[:-1]) + ' and ' + holders[-1]))

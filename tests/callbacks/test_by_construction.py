@@ -289,9 +289,26 @@ def _scenario_unsupported():
     return None
 
 
+def _scenario_overlapping_shards():
+    """Samplers whose shards overlap: seeded per rank, or every rank told it is rank 0."""
+    dataset = _zip_datasets(dist.get_world_size())[0]
+    messages = []
+    for sampler in (DistributedSampler(dataset, shuffle=True, seed=dist.get_rank()),
+                    DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=0)):
+        model = _zip_model(SEED)
+        trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      callbacks=torchbearer_dist.distributed_callbacks(), verbose=0)
+        trial.with_train_generator(DataLoader(dataset, batch_size=B, sampler=sampler))
+        try:
+            trial.run(1)
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
 SCENARIOS = {'gan': _scenario_gan, 'vae': _scenario_vae, 'zip': _scenario_zip,
              'unseeded_split': _scenario_unseeded_split, 'unsynchronised': _scenario_unsynchronised,
-             'unsupported': _scenario_unsupported}
+             'unsupported': _scenario_unsupported, 'overlapping_shards': _scenario_overlapping_shards}
 
 
 def _worker():
@@ -373,3 +390,16 @@ def test_a_parameter_that_cannot_be_averaged_under_a_key_of_its_own_stops_every_
     assert {v['error'] for v in values} == {
         "parameter 'state[sparse_table].w' (float32, torch.sparse_coo) cannot be averaged by AllReduceGradients: "
         "only dense floating or complex parameters are; make it dense, or freeze it (requires_grad=False)"}
+
+
+@pytest.mark.slow
+def test_samplers_whose_shards_overlap_stop_every_rank_before_step_one(world):
+    world_size, results = world
+    values = scenario_values(results, 'overlapping_shards')
+    assert all(v == values[0] for v in values)
+    assert values[0] == [
+        "the training loader has DistributedSamplers with different settings on rank 0 and rank 1 (seed, shuffle, "
+        "drop_last or dataset length), so the shards of the ranks overlap; give every rank the same sampler settings",
+        "the training loader has a DistributedSampler with rank=0 on ranks {}, so their shards of each epoch are the "
+        "same samples; build it inside the process group (DistributedSampler(dataset) or "
+        "torchbearer_dist.distributed_loader)".format('0 and 1' if world_size == 2 else '0, 1 and 2')]
