@@ -1,0 +1,135 @@
+"""A small long job for the step checkpoint tests: a module of worker functions, and a torchrun script.
+
+Its Trial uses every kind of state a mid-epoch resume must restore: dropout (torch's RNG), input noise
+from numpy's and python's RNGs, SGD momentum, a per-batch StepLR, ScaleLearningRate's warm-up (which
+reads the batch index), and a shuffling DistributedSampler. Each input's first column is the sample's
+index, which the model ignores and the tests read back to see which samples each rank trained.
+
+    torchrun --standalone --nproc-per-node 2 tests/checkpoint/long_job.py --dir D --epochs 3
+"""
+import argparse
+import os
+import random
+import signal
+import warnings
+
+import numpy
+import torch
+import torchbearer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchbearer import Callback, Trial
+from torchbearer.callbacks.torch_scheduler import StepLR
+
+import torchbearer_dist as tbd
+
+SAMPLES = 150  # world 2: 75 a rank, 10 batches of 8; world 3: 50 a rank, 7 batches
+BATCH_SIZE = 8
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                        torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.body(x[:, 1:])
+
+
+class _NoiseAndRecord(Callback):
+    """Add noise from numpy's and python's RNGs; record the sample indices of every training batch."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def on_sample(self, state):
+        x = state[torchbearer.X]
+        noise = torch.from_numpy(numpy.random.randn(x.shape[0], x.shape[1] - 1).astype('float32'))
+        state[torchbearer.X] = torch.cat([x[:, :1], x[:, 1:] + 0.01 * noise * random.random()], dim=1)
+        if self.record is not None:
+            with open(self.record, 'a') as f:
+                f.write('{} {} {} {}\n'.format(os.getpid(), state[torchbearer.EPOCH], state[torchbearer.BATCH],
+                                               ','.join(str(int(i)) for i in x[:, 0].tolist())))
+
+
+class _Fault(Callback):
+    """At global step ``at`` of this rank, send this process ``signum``."""
+
+    def __init__(self, at, signum):
+        super().__init__()
+        self.at, self.signum = at, signum
+
+    def on_step_training(self, state):
+        step = state[torchbearer.EPOCH] * state[torchbearer.STEPS] + state[torchbearer.BATCH] + 1
+        if self.at is not None and step == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+def data():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 4, generator=generator)
+    x[:, 0] = torch.arange(SAMPLES, dtype=torch.float32)
+    return TensorDataset(x, (x[:, 1:].sum(dim=1) > 0).long() + (x[:, 1] > 1).long())
+
+
+def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGTERM, resume=True, record=True):
+    """Train on this rank; resume from ``directory/run.pt`` if it is there. Returns the parameters.
+
+    Args:
+        fault_at (dict): rank to the global step at which that rank sends itself ``signum``
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    numpy.random.seed(0)
+    random.seed(0)
+    rank = tbd.get_rank()
+    dataset = data()
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE,
+                        sampler=DistributedSampler(dataset, tbd.get_world_size(), rank, shuffle=True, seed=3))
+    model = _Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    path = os.path.join(directory, 'run.pt')
+    record = os.path.join(directory, 'seen.{}'.format(rank)) if record else None
+    callbacks = [_NoiseAndRecord(record), _Fault((fault_at or {}).get(rank), signum),
+                 StepLR(step_size=4, gamma=0.9, step_on_batch=True), tbd.ScaleLearningRate(warmup_epochs=1),
+                 tbd.Checkpoint(path, every_steps=every_steps, keep=2), *tbd.distributed_callbacks()]
+    trial = Trial(model, optimizer, torch.nn.functional.cross_entropy, metrics=['loss'], callbacks=callbacks,
+                  verbose=0).with_generators(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # torchbearer warns that per-batch schedulers may not resume: they do here
+        if resume:
+            tbd.load_checkpoint(path, trial=trial, missing_ok=True)
+        trial.run(epochs)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def seen(directory, rank):
+    """``(pid, epoch, batch, [indices])`` for every training batch this rank recorded, in order."""
+    rows = []
+    with open(os.path.join(directory, 'seen.{}'.format(rank))) as f:
+        for line in f:
+            pid, epoch, batch, indices = line.split()
+            rows.append((int(pid), int(epoch), int(batch), [int(i) for i in indices.split(',')]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--dir', type=str, required=True)
+    parser.add_argument('--epochs', type=int, default=3)
+    parser.add_argument('--every-steps', type=int, default=None)
+    parser.add_argument('--kill-rank', type=int, default=None, help='this rank SIGKILLs itself, first attempt only')
+    parser.add_argument('--kill-at', type=int, default=None, help='at this global step')
+    args = parser.parse_args()
+    tbd.watch_preemption()
+    first = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+    fault = {args.kill_rank: args.kill_at} if first and args.kill_rank is not None else None
+    with tbd.process_group(timeout=30, rendezvous_timeout=20):
+        params = train(args.dir, args.epochs, args.every_steps, fault, signal.SIGKILL)
+        if tbd.is_main_process():
+            torch.save(params, os.path.join(args.dir, 'final.pt'))
+
+
+if __name__ == '__main__':
+    main()
