@@ -11,6 +11,7 @@ import argparse
 import os
 import random
 import signal
+import time
 import warnings
 
 import numpy
@@ -54,13 +55,14 @@ class _NoiseAndRecord(Callback):
 
 
 class _Fault(Callback):
-    """At global step ``at`` of this rank, send this process ``signum``."""
+    """At global step ``at`` of this rank, send this process ``signum``; sleep ``sleep`` seconds each step."""
 
-    def __init__(self, at, signum):
+    def __init__(self, at, signum, sleep=0.0):
         super().__init__()
-        self.at, self.signum = at, signum
+        self.at, self.signum, self.sleep = at, signum, sleep
 
     def on_step_training(self, state):
+        time.sleep(self.sleep)
         step = state[torchbearer.EPOCH] * state[torchbearer.STEPS] + state[torchbearer.BATCH] + 1
         if self.at is not None and step == self.at:
             os.kill(os.getpid(), self.signum)
@@ -73,7 +75,8 @@ def data():
     return TensorDataset(x, (x[:, 1:].sum(dim=1) > 0).long() + (x[:, 1] > 1).long())
 
 
-def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGTERM, resume=True, record=True):
+def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGTERM, resume=True, record=True,
+          sleep=0.0):
     """Train on this rank; resume from ``directory/run.pt`` if it is there. Returns the parameters.
 
     Args:
@@ -91,7 +94,7 @@ def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGT
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     path = os.path.join(directory, 'run.pt')
     record = os.path.join(directory, 'seen.{}'.format(rank)) if record else None
-    callbacks = [_NoiseAndRecord(record), _Fault((fault_at or {}).get(rank), signum),
+    callbacks = [_NoiseAndRecord(record), _Fault((fault_at or {}).get(rank), signum, sleep),
                  StepLR(step_size=4, gamma=0.9, step_on_batch=True), tbd.ScaleLearningRate(warmup_epochs=1),
                  tbd.Checkpoint(path, every_steps=every_steps, keep=2), *tbd.distributed_callbacks()]
     trial = Trial(model, optimizer, torch.nn.functional.cross_entropy, metrics=['loss'], callbacks=callbacks,
@@ -117,19 +120,36 @@ def seen(directory, rank):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--dir', type=str, required=True)
+    parser.add_argument('--write-forever', action='store_true', help='one process, a checkpoint every step')
     parser.add_argument('--epochs', type=int, default=3)
     parser.add_argument('--every-steps', type=int, default=None)
     parser.add_argument('--kill-rank', type=int, default=None, help='this rank SIGKILLs itself, first attempt only')
     parser.add_argument('--kill-at', type=int, default=None, help='at this global step')
+    parser.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep after each step')
     args = parser.parse_args()
+    if args.write_forever:
+        return write_forever(args.dir)
     tbd.watch_preemption()
     first = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
     fault = {args.kill_rank: args.kill_at} if first and args.kill_rank is not None else None
     with tbd.process_group(timeout=30, rendezvous_timeout=20):
-        params = train(args.dir, args.epochs, args.every_steps, fault, signal.SIGKILL)
+        params = train(args.dir, args.epochs, args.every_steps, fault, signal.SIGKILL, sleep=args.sleep)
         if tbd.is_main_process():
             torch.save(params, os.path.join(args.dir, 'final.pt'))
 
 
 if __name__ == '__main__':
     main()
+
+
+def write_forever(directory):
+    """Train a 2 MB model in one process with a step checkpoint after every step, keeping 3, until killed."""
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    dataset = TensorDataset(torch.randn(64, 256), torch.randn(64, 256))
+    loader = DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, 1, 0, shuffle=True))
+    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.nn.functional.mse_loss,
+                  callbacks=[tbd.Checkpoint(os.path.join(directory, 'run.pt'), every_steps=1, keep=3),
+                             tbd.SetSamplerEpoch()], verbose=0).with_generators(loader)
+    print('writing', flush=True)
+    trial.run(10 ** 6)
