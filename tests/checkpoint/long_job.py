@@ -138,9 +138,6 @@ def main():
             torch.save(params, os.path.join(args.dir, 'final.pt'))
 
 
-if __name__ == '__main__':
-    main()
-
 
 def write_forever(directory):
     """Train a 2 MB model in one process with a step checkpoint after every step, keeping 3, until killed."""
@@ -153,3 +150,7 @@ def write_forever(directory):
                              tbd.SetSamplerEpoch()], verbose=0).with_generators(loader)
     print('writing', flush=True)
     trial.run(10 ** 6)
+
+
+if __name__ == '__main__':
+    main()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import long_job
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -23,7 +24,6 @@ import torchbearer_dist as tbd
 from torchbearer_dist import data
 
 from _dist import ROOT, child_env, free_port, kill_session, run_workers  # noqa: I001 (tests/ on sys.path)
-import long_job
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'long_job.py')
 EPOCHS = 3
@@ -228,3 +228,27 @@ def test_bad_arguments_name_the_value():
 
 def test_a_missing_checkpoint_is_none_with_missing_ok(tmp_path):
     assert tbd.load_checkpoint(str(tmp_path / 'none.pt'), missing_ok=True) is None
+
+
+def test_under_slurm_a_signal_checkpoints_and_requeues_the_job(tmp_path, monkeypatch):
+    """One process as SLURM starts it: Checkpoint turns pre-emption handling on; a SIGTERM mid-epoch ends run()
+    with Preempted (status 75) after a step checkpoint, and rank 0 runs ``scontrol requeue`` (a stand-in here)."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    calls = tmp_path / 'scontrol.calls'
+    (bin_dir / 'scontrol').write_text('#!/bin/sh\necho "$@" >> {}\n'.format(calls))
+    (bin_dir / 'scontrol').chmod(0o755)
+    monkeypatch.setenv('PATH', '{}{}{}'.format(bin_dir, os.pathsep, os.environ['PATH']))
+    monkeypatch.setenv('SLURM_JOB_ID', '4242')
+    monkeypatch.setenv('TORCHBEARER_DIST_REQUEUE', '1')
+    directory = str(tmp_path / 'job')
+    os.mkdir(directory)
+    try:
+        with pytest.raises(tbd.Preempted, match=r'^pre-empted by SIGTERM in epoch 1 after 7 batches; resumable from '):
+            long_job.train(directory, 2, fault_at={0: 7})
+        assert tbd.Preempted().code == tbd.EXIT_PREEMPTED == 75
+    finally:
+        tbd.unwatch_preemption()
+    assert calls.read_text() == 'requeue 4242\n'
+    position = torch.load(os.path.join(directory, 'run.pt'), weights_only=True)['position']
+    assert (position['epoch'], position['batches'], position['world_size']) == (0, 7, 1)

@@ -109,6 +109,7 @@ class Checkpoint(Callback):
 
     def on_start(self, state):
         self._checked = False
+        self._end_training()  # a run that raised never reached on_end
         self._reset_run()
         if os.environ.get('SLURM_JOB_ID') and threading.current_thread() is threading.main_thread():
             interrupts.watch_preemption()  # under SLURM, pre-emption handling is on by default

@@ -145,7 +145,7 @@ def _preemption_handler(signum, frame):
             signal.Signals(signum).name))
 
 
-def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=False):
+def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=None):
     """Make a pre-emption signal stop training at the next step with a checkpoint, instead of killing it.
 
     Schedulers give notice before they take the machines back: SLURM sends SIGTERM (or, with
@@ -169,13 +169,16 @@ def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=False):
     Args:
         signals (tuple): the signals that mean "pre-empted"
         requeue (bool): under SLURM, after the checkpoint is written, global rank 0 runs
-            ``scontrol requeue $SLURM_JOB_ID`` so that the job starts again (the job needs ``--requeue``)
+            ``scontrol requeue $SLURM_JOB_ID`` so that the job starts again (the job needs ``--requeue``);
+            None (the default) reads the environment variable ``TORCHBEARER_DIST_REQUEUE`` (``1``: requeue)
     """
     if threading.current_thread() is not threading.main_thread() or _preemption['signals']:
         return
     previous = {s: signal.getsignal(s) for s in signals}
     for s in signals:
         signal.signal(s, _preemption_handler)
+    if requeue is None:
+        requeue = os.environ.get('TORCHBEARER_DIST_REQUEUE', '') == '1'
     _preemption.update(signals=tuple(signals), previous=previous, requested=None, requeue=bool(requeue))
 
 
