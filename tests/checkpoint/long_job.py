@@ -140,7 +140,7 @@ def main():
 
 
 def write_forever(directory):
-    """Train a 2 MB model in one process with a step checkpoint after every step, keeping 3, until killed."""
+    """Resume, then train a 2 MB model in one process with a step checkpoint every step, keeping 3, until killed."""
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     dataset = TensorDataset(torch.randn(64, 256), torch.randn(64, 256))
@@ -148,6 +148,7 @@ def write_forever(directory):
     trial = Trial(model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.nn.functional.mse_loss,
                   callbacks=[tbd.Checkpoint(os.path.join(directory, 'run.pt'), every_steps=1, keep=3),
                              tbd.SetSamplerEpoch()], verbose=0).with_generators(loader)
+    tbd.load_checkpoint(os.path.join(directory, 'run.pt'), trial=trial, missing_ok=True)
     print('writing', flush=True)
     trial.run(10 ** 6)
 

@@ -181,11 +181,12 @@ def test_killing_a_step_checkpoint_write_leaves_every_kept_checkpoint_loadable(t
         for name in kept:
             if os.path.exists(name):
                 saved = tbd.load_checkpoint(name)  # weights_only inside: a torn file raises
-                steps.append((saved['position']['epoch'], saved['position']['batches']))
-        assert steps == sorted(steps, reverse=True) and len(set(steps)) == len(steps), steps
+                where = saved['position'] or {'epoch': len(saved['history']), 'batches': 0}  # an epoch's end
+                steps.append((where['epoch'], where['batches']))
+        assert steps and steps == sorted(steps, reverse=True), steps  # path.1 may be path's link, if killed between
         progress.append(steps[0])
     print('newest (epoch, batches) after each kill:', progress)
-    assert len(progress) == 4
+    assert progress == sorted(progress) and progress[-1] > progress[0]  # each writer resumed from the last
     leftovers = [n for n in os.listdir(tmp_path) if n not in ('run.pt', 'run.pt.1', 'run.pt.2')]
     assert len(leftovers) <= 2, leftovers  # at most the temporaries of the last killed writer
 
