@@ -14,11 +14,9 @@ from torchbearer_dist.checkpoint.callback import Checkpoint
 from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import distributed_loader
 from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
-from torchbearer_dist.runtime.errors import PeerFailedError
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted
 from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
 from torchbearer_dist.runtime.interrupts import (
-    EXIT_PREEMPTED,
-    Preempted,
     unwatch_interrupts,
     unwatch_preemption,
     watch_interrupts,

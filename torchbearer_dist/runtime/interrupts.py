@@ -20,6 +20,7 @@ import time
 
 from torchbearer_dist.runtime import _diagnosis, group
 from torchbearer_dist.runtime.env import current_env, current_store
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
 
@@ -108,29 +109,6 @@ def unwatch_interrupts():
         pass
     os.close(write_fd)
     os.close(read_fd)
-
-
-#: The exit status of a rank that stopped for a pre-emption after its step checkpoint was written:
-#: ``EX_TEMPFAIL`` of ``sysexits.h``, "a temporary failure; the user is invited to retry". Run the same
-#: command again (or let torchrun or SLURM restart it) and training goes on from that checkpoint.
-EXIT_PREEMPTED = 75
-
-
-class Preempted(SystemExit):
-    """Training stopped for a pre-emption signal (SIGTERM, SIGUSR1) and can resume from its checkpoint.
-
-    A :class:`SystemExit` whose ``code`` is :data:`EXIT_PREEMPTED` (75): uncaught, it ends the process
-    with that status and no traceback. Raised by ``trial.run`` on every rank once the
-    :class:`~torchbearer_dist.Checkpoint` callback has written its step checkpoint, and by the signal
-    handler itself where no Trial is training.
-    """
-
-    def __init__(self, message='pre-empted; resumable from the last checkpoint'):
-        super().__init__(EXIT_PREEMPTED)
-        self.message = message
-
-    def __str__(self):
-        return self.message
 
 
 _preemption = {'signals': (), 'previous': {}, 'requested': None, 'requeue': False, 'training': 0}
