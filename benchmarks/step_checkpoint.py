@@ -1,13 +1,14 @@
 """What a step checkpoint costs training: the example's MLP and the 1.2M-parameter CNN, 2 ranks over gloo.
 
-Each model trains the same steps twice on 2 local ranks (random batches of 64 held in memory, one
-thread a rank): once with ``Checkpoint(every_steps=N)`` and once with epoch checkpoints only (none
-within the run, which is one epoch). Per checkpoint it reports
+Each model trains on 2 local ranks (random batches of 64 held in memory, one thread a rank) with
+``Checkpoint(every_steps=N)``; a callback at the end of the list stamps the end of every step on
+every rank. Per checkpoint it reports
 
 - ``write``: rank 0's time inside ``save_step`` (gathering every rank's RNG states, building the
   payload, torch.save, fsync, rename), the median over the run's checkpoints;
-- ``stall``: the extra wall time of the whole run with checkpoints, divided by their number: what
-  training loses per checkpoint, the other ranks waiting for rank 0 at the next all-reduce;
+- ``stall``: what training loses per checkpoint: on each rank, the two steps around a checkpoint
+  (the one that ends with it and the next, in which the other ranks wait for rank 0 at the
+  gradient all-reduce) less two median steps without one; the larger rank's, median over checkpoints;
 - ``size``: the checkpoint file's size.
 
 Usage::
@@ -24,7 +25,7 @@ import time
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from torchbearer import Trial
+from torchbearer import Callback, Trial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -50,46 +51,57 @@ class _TimedCheckpoint(tbd.Checkpoint):
         self.times.append(time.perf_counter() - started)
 
 
+class _StepClock(Callback):
+    def __init__(self):
+        super().__init__()
+        self.stamps = []
+
+    def on_step_training(self, state):
+        self.stamps.append(time.perf_counter())
+
+
 def _worker(name, steps, every, directory):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     build, shape = MODELS[name]
-    dataset = TensorDataset(torch.randn(steps * BATCH * tbd.get_world_size(), *shape),
-                            torch.randint(0, 10, (steps * BATCH * tbd.get_world_size(),)))
+    count = (steps + 1) * BATCH * tbd.get_world_size()
+    dataset = TensorDataset(torch.randn(count, *shape), torch.randint(0, 10, (count,)))
     loader = DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=True))
-    results = {}
-    for label, every_steps in (('plain', None), ('checkpoints', every)):
-        model = build()
-        checkpoint = _TimedCheckpoint(os.path.join(directory, '{}.pt'.format(name)), every_steps=every_steps)
-        trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                      torch.nn.functional.cross_entropy, callbacks=[checkpoint, *tbd.distributed_callbacks()],
-                      verbose=0).with_generators(loader)
-        tbd.sync.collectives.any_rank(False)  # start together
-        started = time.perf_counter()
-        trial.run(1)
-        results[label] = (time.perf_counter() - started, checkpoint.times)
-    size = os.path.getsize(os.path.join(directory, '{}.pt'.format(name))) if tbd.get_rank() == 0 else None
-    return results, size, sum(p.numel() for p in model.parameters())
+    model = build()
+    path = os.path.join(directory, '{}.pt'.format(name))
+    checkpoint, clock = _TimedCheckpoint(path, every_steps=every), _StepClock()
+    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                  torch.nn.functional.cross_entropy, callbacks=[checkpoint, *tbd.distributed_callbacks(), clock],
+                  verbose=0).with_generators(loader)
+    trial.run(1)
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]  # steps[i]: the step ending at stamp i + 1
+    saved = {i - 1 for i in range(every, len(clock.stamps) + 1, every)}  # stamps of steps that checkpointed
+    around = [steps[i - 1] + steps[i] for i in sorted(saved) if 1 <= i < len(steps)]
+    plain = statistics.median(d for i, d in enumerate(steps) if i + 1 not in saved and i not in saved)
+    size = os.path.getsize(path) if tbd.get_rank() == 0 else None
+    return dict(write=checkpoint.times, around=around, plain=plain, size=size,
+                params=sum(p.numel() for p in model.parameters()))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--models', type=str, default='mlp,cnn1m', help='comma-separated: mlp, cnn1m')
-    parser.add_argument('--steps', type=int, default=200, help='training steps a run')
+    parser.add_argument('--steps', type=int, default=100, help='training steps a run')
     parser.add_argument('--every', type=int, default=10, help='steps between checkpoints')
     parser.add_argument('--rounds', type=int, default=2, help='runs of each model')
     args = parser.parse_args()
-    print('{:6} {:>10} {:>6} {:>11} {:>11} {:>11} {:>9}'.format('model', 'params', 'ckpts', 'step ms',
-                                                               'write ms', 'stall ms', 'size MB'))
+    print('{:6} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8}'.format('model', 'params', 'ckpts', 'step ms', 'write ms',
+                                                              'stall ms', 'size MB'))
     for name in args.models.split(','):
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory() as directory:
-                (results, size, params), *_ = tbd.launch(_worker, 2, args=(name, args.steps, args.every, directory))
-            plain, _ = results['plain']
-            total, times = results['checkpoints']
-            print('{:6} {:>10,} {:>6} {:>11.2f} {:>11.2f} {:>11.2f} {:>9.2f}'.format(
-                name, params, len(times), 1000 * plain / args.steps, 1000 * statistics.median(times),
-                1000 * (total - plain) / len(times), size / 2 ** 20), flush=True)
+                ranks = tbd.launch(_worker, 2, args=(name, args.steps, args.every, directory))
+            zero = ranks[0]
+            stall = statistics.median(max(r['around'][i] - 2 * r['plain'] for r in ranks)
+                                      for i in range(len(zero['around'])))
+            print('{:6} {:>10,} {:>6} {:>9.2f} {:>9.2f} {:>9.2f} {:>8.2f}'.format(
+                name, zero['params'], len(zero['write']), 1000 * zero['plain'], 1000 * statistics.median(zero['write']),
+                1000 * stall, zero['size'] / 2 ** 20), flush=True)
 
 
 if __name__ == '__main__':
