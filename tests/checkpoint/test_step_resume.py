@@ -253,3 +253,22 @@ def test_under_slurm_a_signal_checkpoints_and_requeues_the_job(tmp_path, monkeyp
     assert calls.read_text() == 'requeue 4242\n'
     position = torch.load(os.path.join(directory, 'run.pt'), weights_only=True)['position']
     assert (position['epoch'], position['batches'], position['world_size']) == (0, 7, 1)
+
+
+def test_every_seconds_and_keep_in_one_process(tmp_path):
+    """every_seconds=tiny checkpoints after every step; keep=3 leaves the epoch's end and the two steps before it."""
+    from torch.utils.data import DataLoader
+    from torchbearer import Trial
+
+    dataset = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, 1, 0))
+    model = torch.nn.Linear(3, 2)
+    path = str(tmp_path / 'run.pt')
+    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                  callbacks=[tbd.Checkpoint(path, every_seconds=1e-9, keep=3)], verbose=0).with_generators(loader)
+    trial.run(1)
+    kept = [tbd.load_checkpoint(name) for name in (path, path + '.1', path + '.2')]
+    assert [saved['position'] for saved in kept[1:]] == [
+        {'epoch': 0, 'batches': batches, 'batch_size': 8, 'world_size': 1, 'steps': 5} for batches in (5, 4)]
+    assert kept[0]['position'] is None and len(kept[0]['history']) == 1
+    assert sorted(os.listdir(tmp_path)) == ['run.pt', 'run.pt.1', 'run.pt.2']
