@@ -144,7 +144,7 @@ def test_a_checkpoint_written_at_world_size_2_resumes_at_3_with_the_epoch_reshar
 
 
 def test_kill_9_of_one_rank_under_torchrun_restarts_and_ends_as_uninterrupted(reference, tmp_path):
-    step = random.Random().randint(3, EPOCHS * STEPS_AT_2 - 2)
+    step = random.Random().randint(6, EPOCHS * STEPS_AT_2 - 2)  # after the first step checkpoint (step 4)
     print('rank 1 kills itself at step', step)
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
                '--max-restarts', '2', '--monitor-interval', '0.2', JOB, '--dir', str(tmp_path), '--epochs', str(EPOCHS),
@@ -156,8 +156,13 @@ def test_kill_9_of_one_rank_under_torchrun_restarts_and_ends_as_uninterrupted(re
     params = torch.load(str(tmp_path / 'final.pt'), weights_only=True)
     print('restarted vs uninterrupted, largest parameter difference:', _max_difference(params, reference[0]))
     assert _equal(params, reference[0])
-    pids = {row[0] for row in long_job.seen(str(tmp_path), 0)}
+    rows = long_job.seen(str(tmp_path), 0)
+    pids = list(dict.fromkeys(row[0] for row in rows))
     assert len(pids) == 2  # rank 0 ran twice: torchrun restarted it once
+    first, = [(epoch * STEPS_AT_2 + batch) for pid, epoch, batch, _ in rows if pid == pids[1]][:1]
+    print('the restarted group went on from step', first + 1)
+    # From the newest checkpoint before the kill: a step one (every 4 steps) or an epoch's end (every 10).
+    assert first == max(4 * ((step - 1) // 4), STEPS_AT_2 * ((step - 1) // STEPS_AT_2))
 
 
 def test_killing_a_step_checkpoint_write_leaves_every_kept_checkpoint_loadable(tmp_path):
