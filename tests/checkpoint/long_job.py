@@ -117,6 +117,10 @@ def seen(directory, rank):
     return rows
 
 
+def _launched(directory, epochs, sleep):
+    return train(directory, epochs, sleep=sleep)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--dir', type=str, required=True)
@@ -126,10 +130,14 @@ def main():
     parser.add_argument('--kill-rank', type=int, default=None, help='this rank SIGKILLs itself, first attempt only')
     parser.add_argument('--kill-at', type=int, default=None, help='at this global step')
     parser.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep after each step')
+    parser.add_argument('--launch', type=int, default=None, help='start this many ranks with launch()')
     args = parser.parse_args()
     if args.write_forever:
         return write_forever(args.dir)
     tbd.watch_preemption()
+    if args.launch is not None:  # a Preempted from launch() exits 75
+        tbd.launch(_launched, args.launch, args=(args.dir, args.epochs, args.sleep), timeout=30, rendezvous_timeout=20)
+        return
     first = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
     fault = {args.kill_rank: args.kill_at} if first and args.kill_rank is not None else None
     with tbd.process_group(timeout=30, rendezvous_timeout=20):

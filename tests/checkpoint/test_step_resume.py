@@ -277,3 +277,23 @@ def test_every_seconds_and_keep_in_one_process(tmp_path):
         {'epoch': 0, 'batches': batches, 'batch_size': 8, 'world_size': 1, 'steps': 5} for batches in (5, 4)]
     assert kept[0]['position'] is None and len(kept[0]['history']) == 1
     assert sorted(os.listdir(tmp_path)) == ['run.pt', 'run.pt.1', 'run.pt.2']
+
+
+def test_sigterm_to_the_launcher_alone_reaches_its_ranks_and_it_exits_75(tmp_path):
+    """launch() forwards a pre-emption signal to its ranks; they checkpoint and it raises Preempted (exit 75)."""
+    process = subprocess.Popen([sys.executable, JOB, '--dir', str(tmp_path), '--epochs', str(EPOCHS), '--sleep', '0.15',
+                                '--launch', '2'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=child_env(), start_new_session=True, cwd=ROOT)
+    try:
+        seen, deadline = tmp_path / 'seen.0', time.monotonic() + 60
+        while not (seen.exists() and seen.read_text().count('\n') >= 3) and process.poll() is None:
+            assert time.monotonic() < deadline, 'no training after 60 s'
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)  # the launcher only, not its ranks
+        (_, stderr, status), = _wait([process], 60)
+    finally:
+        kill_session(process.pid)
+        process.wait()
+    assert status == tbd.EXIT_PREEMPTED, stderr[-3000:]
+    position = torch.load(str(tmp_path / 'run.pt'), weights_only=True)['position']
+    assert position['world_size'] == 2 and position['batches'] >= 3, position
