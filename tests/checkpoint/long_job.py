@@ -75,6 +75,18 @@ def data():
     return TensorDataset(x, (x[:, 1:].sum(dim=1) > 0).long() + (x[:, 1] > 1).long())
 
 
+def _refuse_object_collectives():
+    """Step checkpoints gather RNG states with fixed-shape tensors: any pickling collective fails the job."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError('a pickle-based object collective was called')
+
+    for name in ('all_gather_object', 'gather_object', 'broadcast_object_list', 'scatter_object_list'):
+        setattr(dist, name, refuse)
+        setattr(dist.distributed_c10d, name, refuse)
+
+
 def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGTERM, resume=True, record=True,
           sleep=0.0):
     """Train on this rank; resume from ``directory/run.pt`` if it is there. Returns the parameters.
@@ -83,6 +95,7 @@ def train(directory, epochs, every_steps=None, fault_at=None, signum=signal.SIGT
         fault_at (dict): rank to the global step at which that rank sends itself ``signum``
     """
     torch.set_num_threads(1)
+    _refuse_object_collectives()
     torch.manual_seed(0)
     numpy.random.seed(0)
     random.seed(0)

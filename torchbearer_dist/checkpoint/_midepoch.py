@@ -48,17 +48,49 @@ def set_rng_state(saved):
     random.setstate((p['version'], tuple(int(v) for v in p['internal'].tolist()), p['gauss_next']))
 
 
+def _pack(state):
+    """:func:`rng_state` as one float64 tensor of a fixed length (every value is exact in float64)."""
+    n, p = state['numpy'], state['python']
+    epoch = state['epoch_torch']
+    parts = [state['torch'].double(), torch.tensor([0.0 if epoch is None else 1.0]),
+             torch.zeros_like(state['torch'], dtype=torch.float64) if epoch is None else epoch.double(),
+             n['keys'].double(), torch.tensor([n['pos'], n['has_gauss'], n['cached_gaussian'], p['version']],
+                                              dtype=torch.float64),
+             p['internal'].double(), torch.tensor([0.0 if p['gauss_next'] is None else 1.0, p['gauss_next'] or 0.0],
+                                                  dtype=torch.float64)]
+    return torch.cat(parts)
+
+
+def _unpack(flat, torch_size, keys_size, internal_size):
+    sizes = [torch_size, 1, torch_size, keys_size, 4, internal_size, 2]
+    t, has_epoch, epoch, keys, numbers, internal, gauss = torch.split(flat, sizes)
+    pos, has_gauss, cached, version = numbers.tolist()
+    return {
+        'torch': t.to(torch.uint8), 'epoch_torch': epoch.to(torch.uint8) if has_epoch.item() else None,
+        'numpy': {'kind': 'MT19937', 'keys': keys.to(torch.int64), 'pos': int(pos), 'has_gauss': int(has_gauss),
+                  'cached_gaussian': float(cached)},
+        'python': {'version': int(version), 'internal': internal.to(torch.int64),
+                   'gauss_next': float(gauss[1]) if gauss[0].item() else None},
+    }
+
+
 def gather_rng_states(epoch_torch):
-    """Every rank's :func:`rng_state`, gathered on global rank 0 (None elsewhere).
+    """Every rank's :func:`rng_state`, gathered on global rank 0 (None elsewhere) in one fixed-shape gather.
 
     .. warning:: A synchronization point: every rank must call it.
     """
     mine = rng_state(epoch_torch)
     if collectives.world_size() == 1:
         return [mine]
-    gathered = [None] * collectives.world_size() if collectives.rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return gathered
+    flat = _pack(mine)
+    device = collectives.comm_device(torch.device('cpu'))
+    shapes = (len(mine['torch']), len(mine['numpy']['keys']), len(mine['python']['internal']))
+    gathered = [torch.empty_like(flat, device=device) for _ in range(collectives.world_size())] \
+        if collectives.rank() == 0 else None
+    dist.gather(flat.to(device), gathered, dst=0)
+    if gathered is None:
+        return None
+    return [_unpack(g.cpu(), *shapes) for g in gathered]
 
 
 def _loader_like(loader, batch_sampler):
