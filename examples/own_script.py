@@ -2,7 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 examples/own_script.py --epochs 4
 
-Run it again with more epochs and it resumes from its checkpoint.
+It checkpoints every 10 steps and resumes from its checkpoint when it finds one
+(--no-resume starts afresh), so torchrun --max-restarts 3 carries on after a
+rank is killed, and a SIGTERM (a scheduler's pre-emption) stops every rank at
+the next step with a checkpoint and exit status 75: run it again to go on.
 """
 import argparse
 import os
@@ -23,7 +26,7 @@ def threads_per_rank():
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
-def train(epochs, checkpoint):
+def train(epochs, checkpoint, resume=True):
     """Build the Trial inside the process group, resume, and train."""
     torch.set_num_threads(threads_per_rank())
     torch.manual_seed(0)
@@ -33,12 +36,12 @@ def train(epochs, checkpoint):
                                 torch.nn.Linear(64, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
     callbacks = [tbd.ScaleLearningRate(warmup_epochs=2),
-                 tbd.Checkpoint(checkpoint),
+                 tbd.Checkpoint(checkpoint, every_steps=10),
                  *tbd.distributed_callbacks()]
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(),
                   metrics=['loss', 'acc'], callbacks=callbacks, verbose=0)
-    if os.path.exists(checkpoint):
-        tbd.load_checkpoint(checkpoint, trial=trial)  # on every rank
+    if resume:  # on every rank; rank 0 reads the file, if there is one
+        tbd.load_checkpoint(checkpoint, trial=trial, missing_ok=True)
     loader = tbd.distributed_loader(data, batch_size=BATCH_SIZE,
                                     shuffle=True)
     trial.with_generators(train_generator=loader)
@@ -50,9 +53,12 @@ def main():
     parser.add_argument('--epochs', type=int, default=4, help='total epochs')
     parser.add_argument('--checkpoint', type=str, default='own_script.pt',
                         help='the checkpoint file, written by rank 0')
+    parser.add_argument('--no-resume', action='store_true',
+                        help='start afresh even if the checkpoint exists')
     args = parser.parse_args()
+    tbd.watch_preemption()  # SIGTERM, SIGUSR1: checkpoint at a step, exit 75
     with tbd.process_group():  # torchrun's environment names the rank
-        history = train(args.epochs, args.checkpoint)
+        history = train(args.epochs, args.checkpoint, not args.no_resume)
         if tbd.is_main_process():
             print('epochs {}: loss {:.4f} acc {:.4f}'.format(
                 len(history), history[-1]['loss'], history[-1]['acc']))

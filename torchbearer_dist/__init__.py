@@ -14,9 +14,14 @@ from torchbearer_dist.checkpoint.callback import Checkpoint
 from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import check_same_data, distributed_loader, distributed_samplers
 from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
-from torchbearer_dist.runtime.errors import PeerFailedError
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted
 from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
-from torchbearer_dist.runtime.interrupts import unwatch_interrupts, watch_interrupts
+from torchbearer_dist.runtime.interrupts import (
+    unwatch_interrupts,
+    unwatch_preemption,
+    watch_interrupts,
+    watch_preemption,
+)
 from torchbearer_dist.runtime.launcher import launch
 from torchbearer_dist.sync.collectives import rank as get_rank
 from torchbearer_dist.sync.collectives import world_size as get_world_size
@@ -34,11 +39,11 @@ def is_main_process():
 
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
-           'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DistEnv', 'EvenBatches', 'FlattenImages', 'LR_FACTOR',
-           'PeerFailedError', 'PowerSGD', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'SKIPPED_STEPS',
-           'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm', 'all_gather_rows', 'check_same_data',
-           'convert_sync_batchnorm', 'current_env', 'destroy_process_group', 'distributed_callbacks',
-           'distributed_loader', 'distributed_samplers',
-           'gather_predictions', 'get_rank', 'get_world_size', 'init_process_group', 'is_main_process', 'launch',
-           'load_checkpoint', 'process_group', 'resolve', 'save_checkpoint', 'unwatch_interrupts',
-           'watch_interrupts', 'wrap_ddp', '__version__']
+           'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DistEnv', 'EXIT_PREEMPTED', 'EvenBatches',
+           'FlattenImages', 'LR_FACTOR', 'PeerFailedError', 'PowerSGD', 'Preempted', 'RankZeroOnly', 'RankZeroOutput',
+           'ReduceMetrics', 'SKIPPED_STEPS', 'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm',
+           'all_gather_rows', 'check_same_data', 'convert_sync_batchnorm', 'current_env', 'destroy_process_group',
+           'distributed_callbacks', 'distributed_loader', 'distributed_samplers', 'gather_predictions', 'get_rank',
+           'get_world_size', 'init_process_group', 'is_main_process', 'launch', 'load_checkpoint', 'process_group',
+           'resolve', 'save_checkpoint', 'unwatch_interrupts', 'unwatch_preemption', 'watch_interrupts',
+           'watch_preemption', 'wrap_ddp', '__version__']

@@ -83,3 +83,26 @@ def write(payload, path):
         pass
     finally:
         os.close(dir_fd)
+
+
+def keep_previous(path, keep):
+    """Before ``path`` is replaced, keep its last ``keep - 1`` versions as ``path.1`` (newest) ... ``path.{keep-1}``.
+
+    Each step is atomic and ``path`` itself is never missing: older copies move up by rename, and
+    ``path.1`` becomes a hard link to the current file (a copy where links are not supported), whose
+    directory entry the next :func:`write` then replaces.
+    """
+    if keep <= 1 or not os.path.isfile(path):
+        return
+    for i in range(keep - 2, 0, -1):
+        older = '{}.{}'.format(path, i)
+        if os.path.isfile(older):
+            os.replace(older, '{}.{}'.format(path, i + 1))
+    remove_stale_temporaries(path + '.1')
+    temporary = _temporary(path + '.1')
+    try:
+        os.link(path, temporary)
+    except OSError:
+        import shutil
+        shutil.copyfile(path, temporary)
+    os.replace(temporary, path + '.1')

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torchbearer
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
+from torchbearer_dist.checkpoint._atomic import keep_previous as _keep_previous
 from torchbearer_dist.checkpoint._atomic import remove_stale_temporaries as _remove_stale_temporaries
 from torchbearer_dist.checkpoint._atomic import write as _write
 from torchbearer_dist.sync import collectives
@@ -104,20 +105,32 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
     """
     if collectives.rank() != 0:
         return False
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ValueError('the directory of the checkpoint path {!r} does not exist; create it first'.format(path))
-    payload = {
+    _write_checkpoint(path, _payload(model, optimizer, history, callbacks))
+    return True
+
+
+def _payload(model, optimizer, history, callbacks, position=None, rng=None):
+    """What a checkpoint holds; ``position`` and ``rng`` only in a step checkpoint (see :class:`Checkpoint`)."""
+    return {
         'format': FORMAT,
         'model': unwrap(model).state_dict(),
         'optimizer': None if optimizer is None else optimizer.state_dict(),
         'history': [{str(k): _plain(v) for k, v in entry.items()} for entry in history],
         'callbacks': _callback_states(callbacks),
         'world_size': collectives.world_size(),
+        'position': position,
+        'rng': rng,
     }
+
+
+def _write_checkpoint(path, payload, keep=1):
+    """Write ``payload`` to ``path`` atomically, keeping the ``keep - 1`` checkpoints before it as ``path.1``, ..."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError('the directory of the checkpoint path {!r} does not exist; create it first'.format(path))
     _remove_stale_temporaries(path)
+    _keep_previous(path, keep)
     _write(payload, path)
-    return True
 
 
 def _read(path):
@@ -139,7 +152,7 @@ def _read(path):
     return data if data is not None else buffer.cpu().numpy().tobytes()
 
 
-def _restore_callbacks(trial, entries):
+def _restore_callbacks(trial, entries, position=None, rng=None):
     callbacks = list(trial.state[torchbearer.CALLBACK_LIST])
     names = [_name(c) for c in callbacks]
     if names != [e['type'] for e in entries] and collectives.rank() == 0:  # other ranks silence output callbacks
@@ -157,21 +170,29 @@ def _restore_callbacks(trial, entries):
     keepers = [c for c in callbacks if isinstance(c, Checkpoint)]
     for keeper in keepers:
         keeper.pending_schedulers = schedulers
+        keeper.pending_position = (position, rng) if position is not None else None
+    if position is not None and not keepers:
+        warnings.warn('the checkpoint was written in the middle of epoch {} (after {} batches), which a Checkpoint '
+                      'callback in the Trial resumes; the Trial has none, so that epoch starts again from its first '
+                      'batch'.format(position['epoch'] + 1, position['batches']), stacklevel=3)
     if schedulers and not keepers:
         warnings.warn('the checkpoint holds learning-rate scheduler states, which a Checkpoint callback in the Trial '
                       'restores when the schedulers are rebuilt at the start of run(); the Trial has none, so the '
                       'schedulers start afresh', stacklevel=3)
 
 
-def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='cpu'):
+def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='cpu', missing_ok=False):
     """Load a checkpoint written by :func:`save_checkpoint` or :class:`Checkpoint`, on any world size.
 
     Restores the model and optimizer given, or those of ``trial``; for a Trial also its history, so
     that ``trial.run(epochs)`` goes on from the next global epoch, its callbacks' states (through
     torchbearer's ``Callback.load_state_dict``: EarlyStopping's counters, ...) and, once ``run()`` has
-    rebuilt them, its learning-rate schedulers (by the Trial's :class:`Checkpoint` callback). Only
-    global rank 0 reads ``path``; the others receive its bytes. The world size may differ from the one
-    that saved it.
+    rebuilt them, its learning-rate schedulers (by the Trial's :class:`Checkpoint` callback). A step
+    checkpoint (``Checkpoint(every_steps=...)``, or one written at a pre-emption) also holds the
+    position inside its epoch and every rank's RNG states: the Trial's :class:`Checkpoint` callback
+    then goes on with the batches of that epoch not yet trained, in their order. Only global rank 0
+    reads ``path``; the others receive its bytes. The world size may differ from the one that saved
+    it (the rest of an interrupted epoch is then resharded over the ranks now).
 
     Example: ::
 
@@ -188,9 +209,13 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
         optimizer (torch.optim.Optimizer): an optimizer to restore
         trial (torchbearer.Trial): a Trial whose model, optimizer, history and callbacks are restored
         map_location: as for :func:`torch.load`; ``'cpu'`` by default
+        missing_ok (bool): return None on every rank when rank 0 has no file at ``path`` (a first start),
+            instead of raising
 
     Returns:
-        dict: the checkpoint: ``'model'``, ``'optimizer'``, ``'history'``, ``'callbacks'``, ``'world_size'``
+        dict: the checkpoint: ``'model'``, ``'optimizer'``, ``'history'``, ``'callbacks'``, ``'world_size'``,
+        and for a step checkpoint ``'position'`` (``epoch``, ``batches`` done per rank, ``batch_size``,
+        ``world_size``) and ``'rng'`` (each rank's RNG states); None if ``missing_ok`` and there is no file
 
     Raises:
         ValueError: ``path`` does not exist on rank 0 (raised on every rank)
@@ -200,6 +225,8 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
     .. warning:: A synchronization point in a job of several ranks: every rank must call it.
     """
     data = _read(path)
+    if data is None and missing_ok:
+        return None
     if data is None:
         raise ValueError('no checkpoint at {!r} on rank 0; pass the path given to Checkpoint or save_checkpoint'.format(
             path))
@@ -216,7 +243,7 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
         model = trial.state[torchbearer.MODEL] if model is None else model
         optimizer = trial.state[torchbearer.OPTIMIZER] if optimizer is None else optimizer
         trial.state[torchbearer.HISTORY] = [dict(entry) for entry in payload['history']]
-        _restore_callbacks(trial, payload.get('callbacks', []))
+        _restore_callbacks(trial, payload.get('callbacks', []), payload.get('position'), payload.get('rng'))
     if model is not None:
         unwrap(model).load_state_dict(payload['model'])
     if optimizer is not None and payload['optimizer'] is not None:

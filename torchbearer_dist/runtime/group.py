@@ -226,6 +226,8 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
     store = current_store()
     try:
         yield env
+    except errors.Preempted:
+        raise  # every rank stops at the same step once the checkpoint is written: an agreed end, not a fault
     except BaseException as error:
         if env.world_size == 1:
             raise

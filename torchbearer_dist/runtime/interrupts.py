@@ -20,6 +20,7 @@ import time
 
 from torchbearer_dist.runtime import _diagnosis, group
 from torchbearer_dist.runtime.env import current_env, current_store
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
 
@@ -108,3 +109,98 @@ def unwatch_interrupts():
         pass
     os.close(write_fd)
     os.close(read_fd)
+
+
+_preemption = {'signals': (), 'previous': {}, 'requested': None, 'requeue': False, 'training': 0}
+
+
+def _preemption_handler(signum, frame):
+    # Repeated signals are normal (SLURM signals every process of a step, torchrun forwards its own
+    # SIGTERM too): they only set the flag again. The scheduler's SIGKILL ends a rank that never stops.
+    _preemption['requested'] = _preemption['requested'] or signal.Signals(signum).name
+    if not _preemption['training']:  # nothing training that could stop at a step boundary: stop now
+        raise Preempted('pre-empted by {} outside training; resumable from the last checkpoint'.format(
+            signal.Signals(signum).name))
+
+
+def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=None):
+    """Make a pre-emption signal stop training at the next step with a checkpoint, instead of killing it.
+
+    Schedulers give notice before they take the machines back: SLURM sends SIGTERM (or, with
+    ``--signal=USR1@60``, SIGUSR1 a minute before), torchrun forwards SIGTERM to its workers. Once this
+    is on, such a signal only sets a flag while a Trial with a :class:`~torchbearer_dist.Checkpoint`
+    callback trains: every rank agrees to stop at the next step boundary (through the stop agreement of
+    :class:`~torchbearer_dist.AgreeOnStop`, no extra collective per step), global rank 0 writes a step
+    checkpoint, and ``trial.run`` raises :class:`Preempted` on every rank, which ends the process with
+    status :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once.
+
+    Opt-in for library use; :func:`~torchbearer_dist.launch` and the example turn it on, and the
+    :class:`~torchbearer_dist.Checkpoint` callback turns it on under SLURM. Call it from the main thread
+    of every rank (it does nothing elsewhere, or twice).
+
+    Example: ::
+
+        >>> import torchbearer_dist as tbd
+        >>> tbd.watch_preemption()
+        >>> tbd.unwatch_preemption()
+
+    Args:
+        signals (tuple): the signals that mean "pre-empted"
+        requeue (bool): under SLURM, after the checkpoint is written, global rank 0 runs
+            ``scontrol requeue $SLURM_JOB_ID`` so that the job starts again (the job needs ``--requeue``);
+            None (the default) reads the environment variable ``TORCHBEARER_DIST_REQUEUE`` (``1``: requeue)
+    """
+    if threading.current_thread() is not threading.main_thread() or _preemption['signals']:
+        return
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        signal.signal(s, _preemption_handler)
+    if requeue is None:
+        requeue = os.environ.get('TORCHBEARER_DIST_REQUEUE', '') == '1'
+    _preemption.update(signals=tuple(signals), previous=previous, requested=None, requeue=bool(requeue))
+
+
+def unwatch_preemption():
+    """Undo :func:`watch_preemption`: give the signals their handlers back and forget a pending request."""
+    if not _preemption['signals'] or threading.current_thread() is not threading.main_thread():
+        return
+    for s, previous in _preemption['previous'].items():
+        if signal.getsignal(s) is _preemption_handler:
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+    _preemption.update(signals=(), previous={}, requested=None, requeue=False)
+
+
+def preemption_requested():
+    """The name of the pre-emption signal received (``'SIGTERM'``, ...) while watching, or None."""
+    return _preemption['requested']
+
+
+def forget_preemption():
+    """Clear the request once it has been acted on (the checkpoint written), so that a later run trains."""
+    _preemption['requested'] = None
+
+
+def training(active):
+    """Say that a Trial starts (True) or ends (False) training with a checkpoint ready to take a pre-emption."""
+    _preemption['training'] = max(0, _preemption['training'] + (1 if active else -1))
+
+
+def requeue_slurm_job():
+    """Under SLURM, where :func:`watch_preemption` was asked to: ``scontrol requeue $SLURM_JOB_ID``.
+
+    Returns:
+        bool: True if the job was requeued
+    """
+    job = os.environ.get('SLURM_JOB_ID')
+    if not _preemption['requeue'] or not job:
+        return False
+    import subprocess
+    try:
+        done = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        sys.stderr.write('torchbearer_dist: scontrol requeue {} failed: {}\n'.format(job, error))
+        return False
+    if done.returncode != 0:
+        sys.stderr.write('torchbearer_dist: scontrol requeue {} failed: {}\n'.format(job, done.stderr.strip()))
+        return False
+    return True

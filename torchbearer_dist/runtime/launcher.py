@@ -59,6 +59,7 @@ def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeou
     if 'OMP_NUM_THREADS' not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     interrupts.watch_interrupts()  # the launcher owns its ranks: Ctrl-C handling is on
+    interrupts.watch_preemption()  # and SIGTERM / SIGUSR1 stop training at a step with a checkpoint
     try:
         with group.process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
                                  timeout=timeout, rendezvous_timeout=rendezvous_timeout):
@@ -72,7 +73,8 @@ def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeou
         _send(conn, ('error', _diagnosis.describe(error), traceback.format_exc(), payload))
         conn.close()
         sys.stderr.flush()
-        os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
+        os._exit(interrupts.EXIT_PREEMPTED if isinstance(error, interrupts.Preempted) else
+                 130 if isinstance(error, KeyboardInterrupt) else 1)
     conn.close()
 
 
@@ -181,7 +183,11 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
             child_end.close()
             processes.append(process)
             pipes.append(parent_end)
-        return _supervise(processes, pipes, deadline, grace)
+        interrupts.training(True)  # a pre-emption signal here is forwarded to the ranks (see _supervise)
+        try:
+            return _supervise(processes, pipes, deadline, grace)
+        finally:
+            interrupts.training(False)
     finally:
         _stop(processes, grace)
 
@@ -190,7 +196,13 @@ def _supervise(processes, pipes, deadline, grace):
     reports, results = {}, {}
     started = time.monotonic()
     failed_at = None
+    forwarded = False
     while True:
+        if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
+            forwarded = True
+            for process in processes:
+                if process.exitcode is None:
+                    os.kill(process.pid, signal.SIGTERM)
         for rank, pipe in enumerate(pipes):
             if rank not in reports and pipe.poll():
                 reports[rank] = _receive(pipe)
@@ -214,6 +226,9 @@ def _supervise(processes, pipes, deadline, grace):
     if len(results) == len(processes):
         return [results[r] for r in range(len(processes))]
     died = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
+    if died and all(processes[r].exitcode == interrupts.EXIT_PREEMPTED for r in range(len(processes))
+                    if r not in results):
+        raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
     _stop(processes, grace)
     own = [r for r, rep in sorted(reports.items()) if rep is not None and rep[0] == 'error' and not _peer_failure(rep)]
     peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
