@@ -108,13 +108,17 @@ def publish(store, cause):
         pass
 
 
-def wait_until_read(store, world_size, seconds=3.0):
+def wait_until_read(store, world_size, seconds=3.0, skip=None):
     """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
-    read the cause, so that they can report it before the store goes away with this process."""
+    read the cause, so that they can report it before the store goes away with this process.
+
+    ``skip`` is the rank the cause names, which will not read it (it published it, died or fell silent).
+    """
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        gone = set(_peers.dead_local_ranks()) | ({skip} if skip not in (None, -1, 0) else set())
         try:
-            if store.add('error_seen', 0) >= world_size - 1 - len(_peers.dead_local_ranks()):
+            if store.add('error_seen', 0) >= world_size - 1 - len(gone):
                 return
         except Exception:
             return

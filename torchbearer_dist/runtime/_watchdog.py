@@ -15,6 +15,8 @@ import time
 from torchbearer_dist.runtime import _diagnosis
 
 _INTERVAL = 1.0
+#: Added to a rank's heartbeat counter when it leaves the job cleanly: from then on it is not watched.
+LEFT = 1 << 40
 
 
 class Watchdog:
@@ -75,6 +77,11 @@ class Watchdog:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(bound)
 
+    def all_left(self):
+        """Whether every watched rank has left the job cleanly (see :data:`LEFT`), as last read."""
+        values = self._seen[2]
+        return values is not None and all(int(value) >= LEFT for value in values)
+
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
         while not self._stop.wait(self.interval):
@@ -99,6 +106,8 @@ class Watchdog:
                 continue
             sample = reached
             for rank, value in zip(self.watched, values):
+                if int(value) >= LEFT:
+                    continue
                 if last.get(rank) != value:
                     last[rank], changed[rank] = value, reached
                 elif reached - changed[rank] > self.limit:

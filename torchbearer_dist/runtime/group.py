@@ -6,6 +6,8 @@ chosen for gloo is set only while the group is created.
 """
 import atexit
 import os
+import sys
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, rendezvous
-from torchbearer_dist.runtime._watchdog import Watchdog
+from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
 from torchbearer_dist.runtime.env import current_env, current_store, resolve, set_current, with_rendezvous_timeout
 
 _live = {'watchdog': None, 'gloo': None, 'cause': None}
@@ -77,15 +79,54 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
             store.set_timeout(env.meet_timeout)
             rendezvous.handshake(store, env)
             _peers.remember(store, env.rank, env.world_size)
+            _start_watchdog(env, environ)  # from before gloo connects: a rank lost meanwhile is named
         _create(env, store, environ)
-        client = rendezvous.connect_client(env, environ)
-        if client is not None:
-            client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
-            _live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
-    except BaseException:
-        destroy_process_group()
+    except BaseException as error:
+        failure = _joining_failed(env, store, error)
+        _destroy()
+        if failure is not None:
+            _quiet_traceback()
+            raise failure from error
         raise
     return env
+
+
+def _start_watchdog(env, environ):
+    client = rendezvous.connect_client(env, environ)
+    if client is not None:
+        client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
+        _live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
+
+
+def _joining_failed(env, store, error):
+    """After ``error`` ended group creation: the :class:`PeerFailedError` naming the rank at fault, or
+    None when ``error`` is this rank's own (then published, so that the peers name this rank).
+
+    Waits, bounded, for the heartbeat to name a frozen or cut-off peer: gloo's connect gives up
+    after the rendezvous timeout counted from when this rank began to wait, the heartbeat after the
+    rendezvous timeout counted from the peer's last beat.
+    """
+    if env.world_size == 1 or isinstance(error, (ValueError, errors.PeerFailedError)):
+        return None
+    if not _diagnosis.is_collective_error(error):
+        if not isinstance(error, RuntimeError):  # KeyboardInterrupt, SystemExit: not the rendezvous' own words
+            _diagnosis.publish(store, _diagnosis.own_cause(env.rank, error))
+            if env.rank == 0:
+                _diagnosis.wait_until_read(store, env.world_size)
+        return None
+    watchdog = _live['watchdog']
+    deadline = time.monotonic() + (2 * watchdog.interval + 1 if watchdog is not None else 0)
+    cause, own = _live['cause'], False
+    if cause is None:
+        cause, own = _diagnosis.diagnose(store, env, error)
+    while cause.kind != _diagnosis.LOCAL and _live['cause'] is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # a guess from gloo's words: the heartbeat may be about to name the rank
+    if _live['cause'] is not None:
+        cause, own = _live['cause'], False
+    if own:
+        return None
+    return errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank, cause.kind,
+                                  cause.exc_type or None)
 
 
 def _create(env, store, environ):
@@ -93,9 +134,14 @@ def _create(env, store, environ):
     if interface is not None:  # read by gloo while it makes its device, then given back
         environ['GLOO_SOCKET_IFNAME'] = interface
     group_store = dist.PrefixStore('pg', store)
+    # gloo's connect waits for every peer as long as the group's timeout: the rendezvous timeout
+    # bounds it, and the collective timeout is set once every rank is connected.
+    connect_timeout = min(env.timeout, env.meet_timeout)
     try:
         dist.init_process_group(env.backend, store=group_store, rank=env.rank, world_size=env.world_size,
-                                timeout=env.timeout)
+                                timeout=connect_timeout)
+        if connect_timeout != env.timeout:
+            dist.set_timeout(env.timeout)
     except RuntimeError as error:
         if 'connectFullMesh' not in str(error):
             raise
@@ -112,11 +158,17 @@ def _create(env, store, environ):
 
 
 def _on_watchdog(client, env, cause):
-    """From the watchdog thread: publish what it found, then wake this rank's main thread."""
+    """From the watchdog thread: publish what it found (or read what another rank published), then
+    wake this rank's main thread."""
     if cause is not None:
         _live['cause'] = cause  # the main thread reports it even if the store is out of reach
         if cause.rank != 0:
             _diagnosis.publish(client, cause)
+    else:
+        try:  # read now, while rank 0 still waits for its readers: its store may be gone when the main thread asks
+            _live['cause'] = _diagnosis.read_cause(client, deaths=False)
+        except Exception:
+            pass
     interrupt_collectives(env)
 
 
@@ -167,7 +219,7 @@ def _tear_down_at_exit():
     left up, which joins gloo's threads, and wait for every stopped heartbeat.
     """
     if current_env() is not None or _live['watchdog'] is not None:
-        destroy_process_group()
+        _destroy()  # no wait for the peers: an uncaught error may be on its way out
     while _stopped:
         _stopped.pop().join()
 
@@ -175,11 +227,38 @@ def _tear_down_at_exit():
 def destroy_process_group():
     """Tear down the default process group, if any; safe to call twice or after a failure.
 
+    Rank 0, whose process holds the job's store, first waits until the other ranks have left too,
+    so that none of them takes the store's end for rank 0's failure; a rank that falls silent
+    meanwhile ends the wait within the rendezvous timeout, and is named to the others.
+
     Example: ::
 
         >>> import torchbearer_dist as tbd
         >>> tbd.destroy_process_group()  # nothing to do outside a process group
     """
+    _leave()
+    _destroy()
+
+
+def _leave():
+    """A clean end of this rank: mark it left, and on rank 0 wait for the others (see above).
+
+    Returns:
+        Cause or None: why the wait ended early, a peer's failure or silence
+    """
+    env, store, watchdog = current_env(), current_store(), _live['watchdog']
+    if env is None or watchdog is None or env.world_size == 1 or _live['cause'] is not None:
+        return None
+    try:
+        store.add('hb/{}'.format(env.rank), LEFT)
+    except Exception:  # the store is gone: nobody is left to wait for
+        return None
+    while env.rank == 0 and _live['cause'] is None and not watchdog.all_left() and watchdog.running():
+        time.sleep(0.05)
+    return _live['cause']
+
+
+def _destroy():
     _stop_watchdog()
     if dist.is_initialized():
         try:
@@ -235,11 +314,48 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
             _diagnosis.publish(store, cause)
         _stop_peers(env)
         if env.rank == 0:
-            _diagnosis.wait_until_read(store, env.world_size)
-        destroy_process_group()
+            _diagnosis.wait_until_read(store, env.world_size, skip=cause.rank)
+        _destroy()
         if not own:
+            _quiet_traceback()
             raise errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
-                                            cause.kind, cause.exc_type or None) from error
+                                         cause.kind, cause.exc_type or None) from error
         raise
+    else:
+        cause = _leave()
+        if cause is not None:  # this rank's block ended well, but a peer fell silent before leaving
+            _stop_watchdog()
+            _destroy()
+            _quiet_traceback()
+            raise errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
+                                         cause.kind, cause.exc_type or None)
     finally:
-        destroy_process_group()
+        _destroy()
+
+
+#: Set to ``1`` to see the whole traceback of a :class:`~torchbearer_dist.PeerFailedError` nobody caught.
+TRACEBACK_VARIABLE = 'TORCHBEARER_DIST_TRACEBACK'
+
+
+def _quiet_traceback():
+    """Make an uncaught :class:`~torchbearer_dist.PeerFailedError` print its one line, not a traceback.
+
+    Its traceback shows only where this rank was when a peer failed (40 to 60 lines of torchbearer
+    and torch); the line names the rank at fault and its error. Every other exception, the user's
+    own included, reaches the previous ``sys.excepthook`` untouched; ``TORCHBEARER_DIST_TRACEBACK=1``
+    shows the whole traceback.
+    """
+    if getattr(sys.excepthook, '_torchbearer_dist', False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, errors.PeerFailedError) and os.environ.get(TRACEBACK_VARIABLE) != '1':
+            sys.stderr.write('{}: {} (set {}=1 for the traceback)\n'.format(kind.__name__, value,
+                                                                           TRACEBACK_VARIABLE))
+            sys.stderr.flush()
+            return
+        previous(kind, value, traceback)
+
+    excepthook._torchbearer_dist = True
+    sys.excepthook = excepthook

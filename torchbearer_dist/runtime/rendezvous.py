@@ -10,11 +10,13 @@ here rather than by :func:`torch.distributed.init_process_group` so that:
 - a handshake through the store catches, before training, two processes claiming one rank,
   processes that disagree on the world size, and a stale job on the same port.
 """
+import atexit
 import errno
 import fcntl
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -107,18 +109,49 @@ def _connect(host, port, timeout):
 
     thread = threading.Thread(target=connect, name='torchbearer_dist-connect', daemon=True)
     thread.start()
-    # The client retries for about timeout; a silent listener never returns at all.
-    thread.join(timeout.total_seconds() * 1.5 + 5)
+    try:
+        # The client retries for about timeout; a silent listener never returns at all.
+        thread.join(timeout.total_seconds() * 1.5 + 5)
+    except BaseException as error:  # Ctrl-C while connecting
+        _abandoned.append((thread, 130 if isinstance(error, KeyboardInterrupt) else 1))
+        raise
     if 'store' in result:
         return result['store']
     seconds = timeout.total_seconds()
     if thread.is_alive():
+        _abandoned.append((thread, 1))
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port'.format(
                                host, port, seconds))
     raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running there, '
                        'that --host and --port match it, and that no firewall is in the way'.format(
                            host, port, seconds, str(result['error']).splitlines()[0])) from None
+
+
+#: ``(thread, exit status)`` of connect threads given up on while inside TCPStore's constructor.
+_abandoned = []
+
+
+@atexit.register
+def _exit_before_a_connect_thread_returns():
+    """End the process now if a connect thread is still inside TCPStore's constructor.
+
+    Such a thread aborts the process when its torch call returns during interpreter finalization
+    ("terminate called without an active exception", exit -6: measured 2 runs in 10 of a Ctrl-C
+    while connecting), and it may retry for the whole rendezvous timeout, or never return from a
+    silent listener. Exit handlers run before finalization: flush, and exit with the status the
+    abandoning error calls for, 130 after Ctrl-C, 1 otherwise. Registered at import, before
+    :mod:`torchbearer_dist.runtime.group`'s teardown, so that it runs after it.
+    """
+    alive = [(thread, status) for thread, status in _abandoned if thread.is_alive()]
+    if not alive:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(alive[-1][1])
 
 
 def _namespace(environ):
@@ -169,6 +202,8 @@ def connect_client(env, environ):
 def _wait(store, keys, timeout, what):
     try:
         store.wait(keys, timeout)
+    except dist.DistNetworkError:  # the store itself went away: rank 0 stopped; the caller names why
+        raise
     except Exception:
         raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
                            '--port'.format(what, timeout.total_seconds())) from None
