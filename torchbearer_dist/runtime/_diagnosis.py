@@ -144,12 +144,17 @@ def read_cause(store, wait=0.0, deaths=True):
             store.add('error_seen', 1)
             return cause
         if dead:  # checked after the key: a rank publishes before it exits
-            return Cause(dead[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '
-                                            'killer, or a signal) or crashed in native code; see its log and '
-                                            'dmesg'.format(', '.join(map(str, dead))))
+            return died(dead)
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
+
+
+def died(ranks):
+    """The :class:`Cause` for peers of this machine whose processes are gone without a word."""
+    return Cause(ranks[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '
+                                     'killer, or a signal) or crashed in native code; see its log and '
+                                     'dmesg'.format(', '.join(map(str, ranks))))
 
 
 def master_gone(env):

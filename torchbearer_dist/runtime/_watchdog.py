@@ -12,7 +12,7 @@ for a dead one.
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis
+from torchbearer_dist.runtime import _diagnosis, _peers
 
 _INTERVAL = 1.0
 #: Added to a rank's heartbeat counter when it leaves the job cleanly: from then on it is not watched.
@@ -94,9 +94,11 @@ class Watchdog:
             self._seen = (time.monotonic(), error, values)
 
     def _watch(self):
-        last, changed, sample = {}, {}, None
+        last, changed, sample, dead = {}, {}, None, {}
         while not self._stop.wait(self.interval):
             now = time.monotonic()
+            for rank in _peers.dead_local_ranks():
+                dead.setdefault(rank, now)
             reached, error, values = self._seen
             if error:
                 return self._fail(None)
@@ -108,6 +110,8 @@ class Watchdog:
             for rank, value in zip(self.watched, values):
                 if int(value) >= LEFT:
                     continue
+                if rank in dead and reached > dead[rank]:  # gone, and not marked left after it was seen gone
+                    return self._fail(_diagnosis.died([rank]))
                 if last.get(rank) != value:
                     last[rank], changed[rank] = value, reached
                 elif reached - changed[rank] > self.limit:

@@ -18,7 +18,7 @@ from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, 
 from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
 from torchbearer_dist.runtime.env import current_env, current_store, resolve, set_current, with_rendezvous_timeout
 
-_live = {'watchdog': None, 'gloo': None, 'cause': None}
+_live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None}
 #: Stopped watchdogs whose threads may still be inside a store call; joined at exit.
 _stopped = []
 
@@ -92,6 +92,8 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
 
 
 def _start_watchdog(env, environ):
+    if env.init_method is None:  # the main thread's store connections: only they are woken while gloo connects
+        _live['store'] = _gloo_sockets.store_connections(env.host, env.port)
     client = rendezvous.connect_client(env, environ)
     if client is not None:
         client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
@@ -102,9 +104,9 @@ def _joining_failed(env, store, error):
     """After ``error`` ended group creation: the :class:`PeerFailedError` naming the rank at fault, or
     None when ``error`` is this rank's own (then published, so that the peers name this rank).
 
-    Waits, bounded, for the heartbeat to name a frozen or cut-off peer: gloo's connect gives up
-    after the rendezvous timeout counted from when this rank began to wait, the heartbeat after the
-    rendezvous timeout counted from the peer's last beat.
+    The heartbeat runs from before gloo connects: it names a peer that died, froze or was cut off,
+    and wakes this rank from gloo's wait (see :func:`_on_watchdog`). When gloo gave up first, its
+    words are only a guess: the heartbeat gets two beats and a second more to name the rank.
     """
     if env.world_size == 1 or isinstance(error, (ValueError, errors.PeerFailedError)):
         return None
@@ -115,16 +117,20 @@ def _joining_failed(env, store, error):
                 _diagnosis.wait_until_read(store, env.world_size)
         return None
     watchdog = _live['watchdog']
-    deadline = time.monotonic() + (2 * watchdog.interval + 1 if watchdog is not None else 0)
     cause, own = _live['cause'], False
     if cause is None:
+        deadline = time.monotonic() + (2 * watchdog.interval + 1 if watchdog is not None else 0)
         cause, own = _diagnosis.diagnose(store, env, error)
-    while cause.kind != _diagnosis.LOCAL and _live['cause'] is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # a guess from gloo's words: the heartbeat may be about to name the rank
-    if _live['cause'] is not None:
-        cause, own = _live['cause'], False
+        while cause.kind != _diagnosis.LOCAL and _live['cause'] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _live['cause'] is not None:
+            cause, own = _live['cause'], False
     if own:
         return None
+    if env.rank == 0 and watchdog is not None:
+        # the others read the cause through their heartbeat's connection: keep the store up meanwhile
+        _diagnosis.publish(watchdog.store, cause)
+        _diagnosis.wait_until_read(watchdog.store, env.world_size, skip=cause.rank)
     return errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank, cause.kind,
                                   cause.exc_type or None)
 
@@ -170,6 +176,8 @@ def _on_watchdog(client, env, cause):
         except Exception:
             pass
     interrupt_collectives(env)
+    if _live['gloo'] is None and _live['store']:  # gloo is still connecting, waiting inside a store call
+        _gloo_sockets.shut_down_connections(_live['store'])
 
 
 def interrupt_collectives(env):
@@ -219,7 +227,8 @@ def _tear_down_at_exit():
     left up, which joins gloo's threads, and wait for every stopped heartbeat.
     """
     if current_env() is not None or _live['watchdog'] is not None:
-        _destroy()  # no wait for the peers: an uncaught error may be on its way out
+        _leave(wait=False)  # no wait for the peers: an uncaught error may be on its way out
+        _destroy()
     while _stopped:
         _stopped.pop().join()
 
@@ -240,7 +249,7 @@ def destroy_process_group():
     _destroy()
 
 
-def _leave():
+def _leave(wait=True):
     """A clean end of this rank: mark it left, and on rank 0 wait for the others (see above).
 
     Returns:
@@ -253,7 +262,7 @@ def _leave():
         store.add('hb/{}'.format(env.rank), LEFT)
     except Exception:  # the store is gone: nobody is left to wait for
         return None
-    while env.rank == 0 and _live['cause'] is None and not watchdog.all_left() and watchdog.running():
+    while wait and env.rank == 0 and _live['cause'] is None and not watchdog.all_left() and watchdog.running():
         time.sleep(0.05)
     return _live['cause']
 
@@ -265,7 +274,7 @@ def _destroy():
             dist.destroy_process_group()
         except Exception:  # a broken group is torn down as far as torch allows
             pass
-    _live.update(gloo=None, cause=None)
+    _live.update(gloo=None, cause=None, store=None)
     _peers.forget()
     set_current()
 
