@@ -18,7 +18,7 @@ from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, 
 from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
 from torchbearer_dist.runtime.env import current_env, current_store, resolve, set_current, with_rendezvous_timeout
 
-_live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None}
+_live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None, 'client': None}
 #: Stopped watchdogs whose threads may still be inside a store call; joined at exit.
 _stopped = []
 
@@ -81,6 +81,7 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
             _peers.remember(store, env.rank, env.world_size)
             _start_watchdog(env, environ)  # from before gloo connects: a rank lost meanwhile is named
         _create(env, store, environ)
+        _live['store'] = None  # connected: from now on the heartbeat wakes collectives, not the store
     except BaseException as error:
         failure = _joining_failed(env, store, error)
         _destroy()
@@ -96,6 +97,7 @@ def _start_watchdog(env, environ):
         _live['store'] = _gloo_sockets.store_connections(env.host, env.port)
     client = rendezvous.connect_client(env, environ)
     if client is not None:
+        _live['client'] = [c for c in _gloo_sockets.store_connections(env.host, env.port) if c not in _live['store']]
         client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
         _live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
 
@@ -176,7 +178,7 @@ def _on_watchdog(client, env, cause):
         except Exception:
             pass
     interrupt_collectives(env)
-    if _live['gloo'] is None and _live['store']:  # gloo is still connecting, waiting inside a store call
+    if _live['store']:  # gloo is still connecting, waiting inside a store call
         _gloo_sockets.shut_down_connections(_live['store'])
 
 
@@ -211,6 +213,11 @@ def _stop_peers(env):
 def _stop_watchdog():
     watchdog, _live['watchdog'] = _live['watchdog'], None
     if watchdog is not None:
+        watchdog.stop(wait=0)
+        # a store call to a frozen or cut-off master would block its thread, and this process's exit
+        # (see _tear_down_at_exit), for the client's whole timeout: make it fail now
+        _gloo_sockets.shut_down_connections(_live['client'] or [])
+        _live['client'] = None
         watchdog.stop()
         _stopped[:] = [w for w in _stopped + [watchdog] if w.running()]
 
