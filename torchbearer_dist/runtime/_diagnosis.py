@@ -185,6 +185,15 @@ def master_silent(env, seconds):
                      env.address, seconds))
 
 
+def is_guess(cause):
+    """Whether ``cause`` was only guessed from gloo's words (a timeout, a closed connection), rather than
+    published by a rank, seen in the process table or told by a refused connection."""
+    return cause.kind == NETWORK or (cause.kind == PEER and _CLOSED in cause.message)
+
+
+_CLOSED = 'closed its connection without reporting an error'
+
+
 def diagnose(store, env, error):
     """Explain what ``error`` means for the job: this rank's own failure, or another rank's.
 
@@ -219,6 +228,6 @@ def diagnose(store, env, error):
     who = others[0] if len(others) == 1 else 'a peer rank'
     if timed_out:
         return silent(env, who, env.timeout.total_seconds()), False
-    return Cause(who if isinstance(who, int) else -1, PEER, '', '{} closed its connection without reporting an '
-                 'error: it exited or was killed; see its log'.format(
+    return Cause(who if isinstance(who, int) else -1, PEER, '', ('{} ' + _CLOSED + ': it exited or was killed; '
+                 'see its log').format(
                      'rank {}'.format(who) if isinstance(who, int) else who)), False

@@ -88,6 +88,8 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         if failure is not None:
             _quiet_traceback()
             raise failure from error
+        if isinstance(error, errors.PeerFailedError):
+            _quiet_traceback()
         raise
     return env
 
@@ -123,7 +125,7 @@ def _joining_failed(env, store, error):
     if cause is None:
         deadline = time.monotonic() + (2 * watchdog.interval + 1 if watchdog is not None else 0)
         cause, own = _diagnosis.diagnose(store, env, error)
-        while cause.kind != _diagnosis.LOCAL and _live['cause'] is None and time.monotonic() < deadline:
+        while _diagnosis.is_guess(cause) and _live['cause'] is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if _live['cause'] is not None:
             cause, own = _live['cause'], False

@@ -100,7 +100,8 @@ def _picklable(error):
 def _stop(processes, grace):
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            # a stopped process cannot act on SIGTERM: no grace for it
+            process.kill() if _stat(process.pid)[0] in ('T', 't') else process.terminate()
     deadline = time.monotonic() + grace
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -217,12 +218,13 @@ class _Idle:
         self.bound, self.marks = bound, {}
 
     def stalled(self, rank, pid, now):
-        cpu = _stat(pid)[1]
+        state, cpu = _stat(pid)
         since, used = self.marks.setdefault(rank, (now, cpu))
         if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
             self.marks[rank] = (now, cpu)
             return False
-        return now - since > self.bound
+        # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
+        return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
 
 
 def _supervise(processes, pipes, deadline, grace, last_rank_bound=None):
@@ -238,9 +240,11 @@ def _supervise(processes, pipes, deadline, grace, last_rank_bound=None):
         failed += [r for r, rep in reports.items() if rep is not None and rep[0] == 'error' and r not in failed]
         if failed and failed_at is None:
             failed_at = time.monotonic()
+        running = [r for r, p in enumerate(processes) if p.exitcode is None]
+        if failed_at and all(_stat(processes[r].pid)[0] in ('T', 't') for r in running):
+            break  # the rest are stopped by a signal: they will not report
         if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
             break
-        running = [r for r, p in enumerate(processes) if p.exitcode is None]
         if last_rank_bound is not None and not failed and len(running) < len(processes):
             stalled = [r for r in running if idle.stalled(r, processes[r].pid, time.monotonic())]
             if stalled:  # a stopped process first: the others may be waiting for it

@@ -23,7 +23,8 @@ import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _peers
+from torchbearer_dist.runtime import _diagnosis, _peers
+from torchbearer_dist.runtime.errors import PeerFailedError
 
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
 _SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
@@ -199,14 +200,24 @@ def connect_client(env, environ):
     return dist.PrefixStore(_namespace(environ), store)
 
 
-def _wait(store, keys, timeout, what):
-    try:
-        store.wait(keys, timeout)
-    except dist.DistNetworkError:  # the store itself went away: rank 0 stopped; the caller names why
-        raise
-    except Exception:
-        raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
-                           '--port'.format(what, timeout.total_seconds())) from None
+def _wait(store, keys, timeout, what, rank=None):
+    """Wait for ``keys``; end early, naming it, when a rank that already joined publishes its failure.
+
+    Raises:
+        RuntimeError: the keys did not appear within ``timeout``
+        PeerFailedError: another rank failed meanwhile (e.g. Ctrl-C on it)
+        torch.distributed.DistNetworkError: the store went away (rank 0 stopped; the caller names why)
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if store.check(['error']):
+            cause = _diagnosis.read_cause(store)
+            raise PeerFailedError('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind,
+                                  cause.exc_type or None)
+        if time.monotonic() > deadline:
+            raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
+                               '--port'.format(what, timeout.total_seconds()))
+        time.sleep(0.05)
 
 
 def handshake(store, env):
@@ -234,7 +245,7 @@ def handshake(store, env):
         if other == env.rank:
             continue
         _wait(store, ['world_size/{}'.format(other)], env.meet_timeout,
-              'rank {} of {} did not join at {}'.format(other, env.world_size, env.address))
+              'rank {} of {} did not join at {}'.format(other, env.world_size, env.address), env.rank)
         theirs = int(store.get('world_size/{}'.format(other)))
         if theirs != env.world_size:
             store.set('checked/{}'.format(env.rank), 'mismatch')
