@@ -268,8 +268,9 @@ def _leave(wait=True):
     if env is None or watchdog is None or env.world_size == 1 or _live['cause'] is not None:
         return None
     try:
+        store.set_timeout(timedelta(seconds=1))  # a frozen master would hold this rank for the whole timeout
         store.add('hb/{}'.format(env.rank), LEFT)
-    except Exception:  # the store is gone: nobody is left to wait for
+    except Exception:  # the store is gone or frozen: nobody is left to wait for
         return None
     while wait and env.rank == 0 and _live['cause'] is None and not watchdog.all_left() and watchdog.running():
         time.sleep(0.05)
