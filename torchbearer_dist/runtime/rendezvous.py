@@ -100,27 +100,30 @@ def _bind_master(host, port):
 def _connect(host, port, timeout):
     """Connect to the master's store, bounded by ``timeout`` even against a silent listener."""
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
-    result = {}
+    result, done = {}, threading.Event()
 
     def connect():
         try:
             result['store'] = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
         except Exception as e:  # handed to the caller's thread
             result['error'] = e
+        finally:
+            done.set()
 
     thread = threading.Thread(target=connect, name='torchbearer_dist-connect', daemon=True)
     thread.start()
     try:
-        # The client retries for about timeout; a silent listener never returns at all.
-        thread.join(timeout.total_seconds() * 1.5 + 5)
+        # The client retries for about timeout; a silent listener never returns at all. An Event, not
+        # join(): a join interrupted by Ctrl-C marks a running thread stopped (CPython 3.11, bpo-45274's fix).
+        done.wait(timeout.total_seconds() * 1.5 + 5)
     except BaseException as error:  # Ctrl-C while connecting
-        _abandoned.append((thread, 130 if isinstance(error, KeyboardInterrupt) else 1))
+        _abandoned.append((done, 130 if isinstance(error, KeyboardInterrupt) else 1))
         raise
     if 'store' in result:
         return result['store']
     seconds = timeout.total_seconds()
-    if thread.is_alive():
-        _abandoned.append((thread, 1))
+    if not done.is_set():
+        _abandoned.append((done, 1))
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port'.format(
                                host, port, seconds))
@@ -129,7 +132,7 @@ def _connect(host, port, timeout):
                            host, port, seconds, str(result['error']).splitlines()[0])) from None
 
 
-#: ``(thread, exit status)`` of connect threads given up on while inside TCPStore's constructor.
+#: ``(done event, exit status)`` of connect threads given up on while inside TCPStore's constructor.
 _abandoned = []
 
 
@@ -144,7 +147,7 @@ def _exit_before_a_connect_thread_returns():
     abandoning error calls for, 130 after Ctrl-C, 1 otherwise. Registered at import, before
     :mod:`torchbearer_dist.runtime.group`'s teardown, so that it runs after it.
     """
-    alive = [(thread, status) for thread, status in _abandoned if thread.is_alive()]
+    alive = [(done, status) for done, status in _abandoned if not done.is_set()]
     if not alive:
         return
     for stream in (sys.stdout, sys.stderr):
