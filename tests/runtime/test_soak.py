@@ -10,7 +10,10 @@ nothing is left running, and that the first rank a survivor's error names is the
 
 Slow by design (about 20 s a trial): it runs only with ``TORCHBEARER_DIST_TEST_SOAK=1``, as CI does
 in its own step. ``TORCHBEARER_DIST_TEST_SOAK_TRIALS`` (default 30) and ``..._SEED`` (default 17)
-choose the trials; ``TORCHBEARER_DIST_TEST_SOAK_REPORT`` names a file that collects one row per trial.
+choose the trials; ``TORCHBEARER_DIST_TEST_SOAK_REPORT`` names a file that collects one row per trial:
+launcher, phase, fault, rank at fault, seconds from the fault to the first error line and to the
+last exit (which includes torch's own interpreter teardown, 0.3 s idle, 2-4 s on a loaded machine),
+the ranks the errors name first, and the bound.
 
 This file is also the rank's program: ``python test_soak.py --rank R ...`` (see :func:`main`).
 """
@@ -198,12 +201,14 @@ class _Job:
             self.text[p.stdout.fileno()] = [b'', True]
             self.text[p.stderr.fileno()] = [b'', False]
         self.open = set(self.text)
-        self.ended = {}
+        self.ended, self.said = {}, {}
 
     def _read(self, wait):
         for fd in select.select(list(self.open), [], [], wait)[0] if self.open else time.sleep(wait) or []:
             chunk = os.read(fd, 65536)
             self.text[fd][0] += chunk
+            if b'error' in chunk.lower():
+                self.said.setdefault(fd, time.monotonic())
             if not chunk:
                 self.open.discard(fd)
         for p in self.processes:
@@ -268,7 +273,8 @@ def _first_rank_named(text):
 
 def _report(row):
     path = os.environ.get('TORCHBEARER_DIST_TEST_SOAK_REPORT')
-    line = '| {launcher} | {phase} | {fault} | {fault_rank} | {elapsed:.1f} | {named} | {bound:g} |'.format(**row)
+    line = '| {launcher} | {phase} | {fault} | {fault_rank} | {said} | {elapsed:.1f} | {named} | {bound:g} |'.format(
+        **row)
     print(line)
     if path:
         with open(path, 'a') as f:
@@ -362,8 +368,10 @@ def _trial(launcher, phase, fault, fault_rank, hosts, port):
         errors = [line for line in job.stderr().splitlines() if 'error' in line.lower() and 'rank' in line]
         named = sorted(set(r for r in map(_first_rank_named, errors) if r is not None))
         if os.environ.get('TORCHBEARER_DIST_TEST_SOAK_VERBOSE') == '1':
-            print(job.stderr()[-3000:], '\nended:', {p.pid: round(t - started, 2) for p, t in job.ended.items()})
-        _report(dict(launcher=launcher, phase=phase, fault=fault, fault_rank=fault_rank, elapsed=elapsed,
+            print(job.stderr()[-3000:], '\nended:', {p.pid: round(t - started, 2) for p, t in job.ended.items()},
+                  'said:', [round(t - started, 2) for t in job.said.values()])
+        said = '{:.1f}'.format(min(job.said.values()) - started) if job.said else '-'
+        _report(dict(launcher=launcher, phase=phase, fault=fault, fault_rank=fault_rank, elapsed=elapsed, said=said,
                      named=','.join(map(str, named)) or '-', bound=bound))
         assert not left, 'still running {:g} s after the fault: {}\n{}'.format(bound + 30, left, job.stderr()[-4000:])
         assert elapsed < bound, 'the last process ended {:.1f} s after the fault, bound {:g} s\n{}'.format(
