@@ -77,11 +77,6 @@ class Watchdog:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(bound)
 
-    def all_left(self):
-        """Whether every watched rank has left the job cleanly (see :data:`LEFT`), as last read."""
-        values = self._seen[2]
-        return values is not None and all(int(value) >= LEFT for value in values)
-
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
         while not self._stop.wait(self.interval):

@@ -272,7 +272,13 @@ def _leave(wait=True):
         store.add('hb/{}'.format(env.rank), LEFT)
     except Exception:  # the store is gone or frozen: nobody is left to wait for
         return None
-    while wait and env.rank == 0 and _live['cause'] is None and not watchdog.all_left() and watchdog.running():
+    keys = ['hb/{}'.format(r) for r in range(1, env.world_size)]
+    while wait and env.rank == 0 and _live['cause'] is None and watchdog.running():
+        try:  # rank 0 holds the store: reading it from here is quick
+            if all(int(value) >= LEFT for value in store.multi_get(keys)):
+                break
+        except Exception:
+            break
         time.sleep(0.05)
     return _live['cause']
 
