@@ -378,13 +378,18 @@ def _trial(launcher, phase, fault, fault_rank, hosts, port):
             elapsed, bound, job.stderr()[-4000:])
         assert 'terminate called' not in job.stderr(), job.stderr()[-4000:]
         assert 'Traceback' not in job.stderr() or launcher == 'torchrun', job.stderr()[-4000:]
-        if fault == 'term':
-            return  # the launcher was pre-empted: no rank is at fault
-        wrong = [r for r in named if r != fault_rank]
+        wrong = [] if fault == 'term' else [r for r in named if r != fault_rank]  # term: no rank is at fault
         if fault == 'link' or (fault == 'kill' and launcher == 'netns'):
             # the host cut off can only say its peer went silent
             wrong = [r for r in wrong if r != 1 - fault_rank]
         assert not wrong, 'the errors name rank {} for a fault of rank {}: {}'.format(wrong, fault_rank, errors)
+        # nothing left behind: the launcher's ranks die with it (pre-empted by SIGTERM included)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_session_alive(p.pid) for p in job.processes
+                                                  if p.pid not in exclude):
+            time.sleep(0.05)
+        left = {p.pid: _session_alive(p.pid) for p in job.processes if p.pid not in exclude and _session_alive(p.pid)}
+        assert not left, 'processes left behind: {}'.format(left)
     finally:
         for pid in stopped:
             try:
@@ -392,8 +397,6 @@ def _trial(launcher, phase, fault, fault_rank, hosts, port):
             except ProcessLookupError:
                 pass
         job.kill()
-        for p in job.processes:
-            assert not _session_alive(p.pid), 'processes left behind: {}'.format(_session_alive(p.pid))
 
 
 if __name__ == '__main__':

@@ -18,7 +18,7 @@ from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, 
 from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
 from torchbearer_dist.runtime.env import current_env, current_store, resolve, set_current, with_rendezvous_timeout
 
-_live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None, 'client': None}
+_live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None, 'client': None, 'connecting': False}
 #: Stopped watchdogs whose threads may still be inside a store call; joined at exit.
 _stopped = []
 
@@ -80,7 +80,11 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
             rendezvous.handshake(store, env)
             _peers.remember(store, env.rank, env.world_size)
             _start_watchdog(env, environ)  # from before gloo connects: a rank lost meanwhile is named
-        _create(env, store, environ)
+        _live['connecting'] = True
+        try:
+            _create(env, store, environ)
+        finally:
+            _live['connecting'] = False
         _live['store'] = None  # connected: from now on the heartbeat wakes collectives, not the store
     except BaseException as error:
         failure = _joining_failed(env, store, error)
@@ -180,8 +184,30 @@ def _on_watchdog(client, env, cause):
         except Exception:
             pass
     interrupt_collectives(env)
-    if _live['store']:  # gloo is still connecting, waiting inside a store call
+    if _live['connecting'] and _live['store']:  # gloo is still connecting, maybe waiting inside a store call
         _gloo_sockets.shut_down_connections(_live['store'])
+        _end_a_stuck_connect(env)
+
+
+def _end_a_stuck_connect(env, grace=2.0):
+    """Last resort, from the watchdog thread: end this process when gloo's connect does not return.
+
+    Gloo connecting to a peer whose host went silent retries for about five times its timeout, and
+    nothing from outside interrupts that native call. The main thread is then inside
+    :func:`torch.distributed.init_process_group`, with no user code running yet: say the cause in
+    one line and exit with status 1, as the uncaught error would have.
+    """
+    deadline = time.monotonic() + grace
+    while _live['connecting'] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _live['connecting']:
+        return
+    cause = _live['cause']
+    line = cause.line() if cause is not None else 'another rank failed while the ranks were connecting'
+    sys.stderr.write('torchbearer_dist: error: {} (rank {} stopped while gloo was connecting)\n'.format(
+        line, env.rank))
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def interrupt_collectives(env):
