@@ -137,7 +137,9 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
 
     The port is picked in the parent. When a rank fails, the others are stopped and that rank's
     error is re-raised here with ``rank R failed:`` in front of its message and its traceback as the
-    cause. A rank that stops only because a peer failed is never mistaken for the root cause.
+    cause. A rank that stops only because a peer failed is never mistaken for the root cause. A
+    rank still running once the others have ended, and using no CPU for the rendezvous timeout
+    (frozen by a signal, or stuck), is stopped and named; one that goes on working is left alone.
 
     Example:
 
