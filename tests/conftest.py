@@ -13,6 +13,8 @@ def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs CUDA; TORCHBEARER_DIST_TEST_GPU=1 turns the skip into a failure')
     config.addinivalue_line('markers', 'slow: a multi-process test of several seconds')
     config.addinivalue_line('markers', 'netns: builds Linux network namespaces; needs root')
+    config.addinivalue_line('markers', 'soak: random faults over every phase and launcher; runs only with '
+                                       'TORCHBEARER_DIST_TEST_SOAK=1')
 
 
 def pytest_collection_modifyitems(config, items):

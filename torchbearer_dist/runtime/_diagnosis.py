@@ -108,13 +108,17 @@ def publish(store, cause):
         pass
 
 
-def wait_until_read(store, world_size, seconds=3.0):
+def wait_until_read(store, world_size, seconds=3.0, skip=None):
     """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
-    read the cause, so that they can report it before the store goes away with this process."""
+    read the cause, so that they can report it before the store goes away with this process.
+
+    ``skip`` is the rank the cause names, which will not read it (it published it, died or fell silent).
+    """
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        gone = set(_peers.dead_local_ranks()) | ({skip} if skip not in (None, -1, 0) else set())
         try:
-            if store.add('error_seen', 0) >= world_size - 1 - len(_peers.dead_local_ranks()):
+            if store.add('error_seen', 0) >= world_size - 1 - len(gone):
                 return
         except Exception:
             return
@@ -140,12 +144,17 @@ def read_cause(store, wait=0.0, deaths=True):
             store.add('error_seen', 1)
             return cause
         if dead:  # checked after the key: a rank publishes before it exits
-            return Cause(dead[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '
-                                            'killer, or a signal) or crashed in native code; see its log and '
-                                            'dmesg'.format(', '.join(map(str, dead))))
+            return died(dead)
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
+
+
+def died(ranks):
+    """The :class:`Cause` for peers of this machine whose processes are gone without a word."""
+    return Cause(ranks[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '
+                                     'killer, or a signal) or crashed in native code; see its log and '
+                                     'dmesg'.format(', '.join(map(str, ranks))))
 
 
 def master_gone(env):
@@ -174,6 +183,15 @@ def master_silent(env, seconds):
     return Cause(0, NETWORK, '', 'no answer from rank 0 (the master at {}) for {:g} s: its host is down or the '
                  'network is partitioned; check that host and the network, or raise rendezvous_timeout='.format(
                      env.address, seconds))
+
+
+def is_guess(cause):
+    """Whether ``cause`` was only guessed from gloo's words (a timeout, a closed connection), rather than
+    published by a rank, seen in the process table or told by a refused connection."""
+    return cause.kind == NETWORK or (cause.kind == PEER and _CLOSED in cause.message)
+
+
+_CLOSED = 'closed its connection without reporting an error'
 
 
 def diagnose(store, env, error):
@@ -210,6 +228,6 @@ def diagnose(store, env, error):
     who = others[0] if len(others) == 1 else 'a peer rank'
     if timed_out:
         return silent(env, who, env.timeout.total_seconds()), False
-    return Cause(who if isinstance(who, int) else -1, PEER, '', '{} closed its connection without reporting an '
-                 'error: it exited or was killed; see its log'.format(
+    return Cause(who if isinstance(who, int) else -1, PEER, '', ('{} ' + _CLOSED + ': it exited or was killed; '
+                 'see its log').format(
                      'rank {}'.format(who) if isinstance(who, int) else who)), False

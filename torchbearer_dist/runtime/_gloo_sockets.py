@@ -143,18 +143,31 @@ def connections(addresses, rank):
             if not listens and (local == addresses[rank] or remote in peers)]
 
 
-def shut_down(addresses, rank):
-    """Shut down this process's gloo connections, so that every collective on them fails now.
+def store_connections(host, port):
+    """This process's connections to the store at ``host:port`` (the main thread's, before the heartbeat's).
 
-    Args:
-        addresses (list): what :func:`endpoints` returned
-        rank (int): this rank
+    Gloo waits for its peers' addresses inside a store call that nothing else can interrupt; shutting
+    these connections down makes that call fail now.
 
     Returns:
-        int: how many connections were shut down
+        list: ``(file descriptor, socket inode)`` pairs
+    """
+    try:
+        addresses = set(_plain(info[4][0]) for info in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+    except OSError:
+        return []
+    return [(fd, inode) for fd, inode, _, remote, listens in _sockets()
+            if not listens and remote is not None and remote[1] == port and remote[0] in addresses]
+
+
+def shut_down_connections(pairs):
+    """Shut down the sockets ``pairs`` (from :func:`connections` or :func:`store_connections`) still name.
+
+    Returns:
+        int: how many were shut down
     """
     count = 0
-    for fd, inode in connections(addresses, rank):
+    for fd, inode in pairs:
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -169,3 +182,16 @@ def shut_down(addresses, rank):
         finally:
             sock.close()
     return count
+
+
+def shut_down(addresses, rank):
+    """Shut down this process's gloo connections, so that every collective on them fails now.
+
+    Args:
+        addresses (list): what :func:`endpoints` returned
+        rank (int): this rank
+
+    Returns:
+        int: how many connections were shut down
+    """
+    return shut_down_connections(connections(addresses, rank))

@@ -12,9 +12,11 @@ for a dead one.
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis
+from torchbearer_dist.runtime import _diagnosis, _peers
 
 _INTERVAL = 1.0
+#: Added to a rank's heartbeat counter when it leaves the job cleanly: from then on it is not watched.
+LEFT = 1 << 40
 
 
 class Watchdog:
@@ -87,9 +89,14 @@ class Watchdog:
             self._seen = (time.monotonic(), error, values)
 
     def _watch(self):
-        last, changed, sample = {}, {}, None
-        while not self._stop.wait(self.interval):
+        # A counter is sampled every interval; a change seen in one sample happened after the one
+        # before, so the silence is counted from that earlier sample: a peer is named within the
+        # limit of its last beat, not up to a beat later. Judged four times per beat.
+        last, changed, sample, previous, dead = {}, {}, None, None, {}
+        while not self._stop.wait(self.interval / 4):
             now = time.monotonic()
+            for rank in _peers.dead_local_ranks():
+                dead.setdefault(rank, now)
             reached, error, values = self._seen
             if error:
                 return self._fail(None)
@@ -97,10 +104,14 @@ class Watchdog:
                 return self._fail(_diagnosis.master_silent(self.env, self.limit))
             if values is None or reached == sample:
                 continue
-            sample = reached
+            previous, sample = sample if sample is not None else reached, reached
             for rank, value in zip(self.watched, values):
+                if int(value) >= LEFT:
+                    continue
+                if rank in dead and reached > dead[rank]:  # gone, and not marked left after it was seen gone
+                    return self._fail(_diagnosis.died([rank]))
                 if last.get(rank) != value:
-                    last[rank], changed[rank] = value, reached
+                    last[rank], changed[rank] = value, previous
                 elif reached - changed[rank] > self.limit:
                     return self._fail(_diagnosis.no_heartbeat(rank, self.limit))
 

@@ -17,6 +17,7 @@ from multiprocessing import connection, get_context
 import torch
 
 from torchbearer_dist.runtime import _diagnosis, errors, group, interrupts
+from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 
 _PR_SET_PDEATHSIG = 1
 
@@ -101,7 +102,8 @@ def _picklable(error):
 def _stop(processes, grace):
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            # a stopped process cannot act on SIGTERM: no grace for it
+            process.kill() if _stat(process.pid)[0] in ('T', 't') else process.terminate()
     deadline = time.monotonic() + grace
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -117,8 +119,10 @@ def _error_for(rank, report, exitcode):
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
         return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
     _, line, text, error = report
-    if error is None or isinstance(error, errors.PeerFailedError):
-        error = RuntimeError(line) if error is None else error
+    if isinstance(error, errors.PeerFailedError):
+        pass  # its message names the rank at fault, and this one as "(rank R stopped)"
+    elif error is None:
+        error = RuntimeError(line)
         if error.args and not str(error).startswith('rank '):
             error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
     elif len(error.args) == 1 and isinstance(error.args[0], str):
@@ -135,7 +139,9 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
 
     The port is picked in the parent. When a rank fails, the others are stopped and that rank's
     error is re-raised here with ``rank R failed:`` in front of its message and its traceback as the
-    cause. A rank that stops only because a peer failed is never mistaken for the root cause.
+    cause. A rank that stops only because a peer failed is never mistaken for the root cause. A
+    rank still running once the others have ended, and using no CPU for the rendezvous timeout
+    (frozen by a signal, or stuck), is stopped and named; one that goes on working is left alone.
 
     Example:
 
@@ -185,18 +191,56 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
             pipes.append(parent_end)
         interrupts.training(True)  # a pre-emption signal here is forwarded to the ranks (see _supervise)
         try:
-            return _supervise(processes, pipes, deadline, grace)
+            return _supervise(processes, pipes, deadline, grace, _last_rank_bound(timeout, rendezvous_timeout))
         finally:
             interrupts.training(False)
     finally:
         _stop(processes, grace)
 
 
-def _supervise(processes, pipes, deadline, grace):
+def _last_rank_bound(timeout, rendezvous_timeout):
+    """Seconds the last rank may sit idle once the others have ended: the ranks' rendezvous timeout."""
+    env = resolve(rank=0, world_size=1, timeout=timeout, environ={})
+    # and time for the ranks' own heartbeat to name a frozen peer first: two beats and a second
+    return with_rendezvous_timeout(env, rendezvous_timeout, os.environ).meet_timeout.total_seconds() + 3.0
+
+
+def _stat(pid):
+    """``(state, CPU seconds used so far by all its threads)`` of process ``pid``, or ``('', None)``."""
+    try:
+        with open('/proc/{}/stat'.format(pid)) as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError):
+        return '', None
+
+
+class _Idle:
+    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds.
+
+    A rank that goes on working once the others have ended (rank-0-only work) uses CPU time and is
+    left alone; one that is frozen (SIGSTOP) or stuck waiting for peers that have gone uses none.
+    """
+
+    def __init__(self, bound):
+        self.bound, self.marks = bound, {}
+
+    def stalled(self, rank, pid, now):
+        state, cpu = _stat(pid)
+        since, used = self.marks.setdefault(rank, (now, cpu))
+        if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
+            self.marks[rank] = (now, cpu)
+            return False
+        # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
+        return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
+
+
+def _supervise(processes, pipes, deadline, grace, last_rank_bound=None):
     reports, results = {}, {}
     started = time.monotonic()
     failed_at = None
     forwarded = False
+    idle = _Idle(last_rank_bound)
     while True:
         if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
             forwarded = True
@@ -210,8 +254,18 @@ def _supervise(processes, pipes, deadline, grace):
         failed += [r for r, rep in reports.items() if rep is not None and rep[0] == 'error' and r not in failed]
         if failed and failed_at is None:
             failed_at = time.monotonic()
+        running = [r for r, p in enumerate(processes) if p.exitcode is None]
+        if failed_at and all(_stat(processes[r].pid)[0] in ('T', 't') for r in running):
+            break  # the rest are stopped by a signal: they will not report
         if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
             break
+        if last_rank_bound is not None and not failed and len(running) < len(processes):
+            stalled = [r for r in running if idle.stalled(r, processes[r].pid, time.monotonic())]
+            if stalled:  # a stopped process first: the others may be waiting for it
+                stalled.sort(key=lambda r: _stat(processes[r].pid)[0] not in ('T', 't'))
+                raise RuntimeError('rank {} did not end within {:g} s of the other ranks, and used no CPU '
+                                   'meanwhile: it is frozen (stopped by a signal, or stuck in native code); '
+                                   'stopped it'.format(stalled[0], last_rank_bound))
         if deadline is not None and time.monotonic() - started > deadline:
             running = [r for r, p in enumerate(processes) if p.exitcode is None]
             raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(

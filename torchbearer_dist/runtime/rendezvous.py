@@ -10,18 +10,21 @@ here rather than by :func:`torch.distributed.init_process_group` so that:
 - a handshake through the store catches, before training, two processes claiming one rank,
   processes that disagree on the world size, and a stale job on the same port.
 """
+import atexit
 import errno
 import fcntl
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _peers
+from torchbearer_dist.runtime import _diagnosis, _peers
+from torchbearer_dist.runtime.errors import PeerFailedError
 
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
 _SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
@@ -97,28 +100,62 @@ def _bind_master(host, port):
 def _connect(host, port, timeout):
     """Connect to the master's store, bounded by ``timeout`` even against a silent listener."""
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
-    result = {}
+    result, done = {}, threading.Event()
 
     def connect():
         try:
             result['store'] = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
         except Exception as e:  # handed to the caller's thread
             result['error'] = e
+        finally:
+            done.set()
 
     thread = threading.Thread(target=connect, name='torchbearer_dist-connect', daemon=True)
     thread.start()
-    # The client retries for about timeout; a silent listener never returns at all.
-    thread.join(timeout.total_seconds() * 1.5 + 5)
+    try:
+        # The client retries for about timeout; a silent listener never returns at all. An Event, not
+        # join(): a join interrupted by Ctrl-C marks a running thread stopped (CPython 3.11, bpo-45274's fix).
+        done.wait(timeout.total_seconds() * 1.5 + 5)
+    except BaseException as error:  # Ctrl-C while connecting
+        _abandoned.append((done, 130 if isinstance(error, KeyboardInterrupt) else 1))
+        raise
     if 'store' in result:
         return result['store']
     seconds = timeout.total_seconds()
-    if thread.is_alive():
+    if not done.is_set():
+        _abandoned.append((done, 1))
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port'.format(
                                host, port, seconds))
     raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running there, '
                        'that --host and --port match it, and that no firewall is in the way'.format(
                            host, port, seconds, str(result['error']).splitlines()[0])) from None
+
+
+#: ``(done event, exit status)`` of connect threads given up on while inside TCPStore's constructor.
+_abandoned = []
+
+
+@atexit.register
+def _exit_before_a_connect_thread_returns():
+    """End the process now if a connect thread is still inside TCPStore's constructor.
+
+    Such a thread aborts the process when its torch call returns during interpreter finalization
+    ("terminate called without an active exception", exit -6: measured 2 runs in 10 of a Ctrl-C
+    while connecting), and it may retry for the whole rendezvous timeout, or never return from a
+    silent listener. Exit handlers run before finalization: flush, and exit with the status the
+    abandoning error calls for, 130 after Ctrl-C, 1 otherwise. Registered at import, before
+    :mod:`torchbearer_dist.runtime.group`'s teardown, so that it runs after it.
+    """
+    alive = [(done, status) for done, status in _abandoned if not done.is_set()]
+    if not alive:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(alive[-1][1])
 
 
 def _namespace(environ):
@@ -166,12 +203,24 @@ def connect_client(env, environ):
     return dist.PrefixStore(_namespace(environ), store)
 
 
-def _wait(store, keys, timeout, what):
-    try:
-        store.wait(keys, timeout)
-    except Exception:
-        raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
-                           '--port'.format(what, timeout.total_seconds())) from None
+def _wait(store, keys, timeout, what, rank=None):
+    """Wait for ``keys``; end early, naming it, when a rank that already joined publishes its failure.
+
+    Raises:
+        RuntimeError: the keys did not appear within ``timeout``
+        PeerFailedError: another rank failed meanwhile (e.g. Ctrl-C on it)
+        torch.distributed.DistNetworkError: the store went away (rank 0 stopped; the caller names why)
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if store.check(['error']):
+            cause = _diagnosis.read_cause(store)
+            raise PeerFailedError('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind,
+                                  cause.exc_type or None)
+        if time.monotonic() > deadline:
+            raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
+                               '--port'.format(what, timeout.total_seconds()))
+        time.sleep(0.05)
 
 
 def handshake(store, env):
@@ -199,7 +248,7 @@ def handshake(store, env):
         if other == env.rank:
             continue
         _wait(store, ['world_size/{}'.format(other)], env.meet_timeout,
-              'rank {} of {} did not join at {}'.format(other, env.world_size, env.address))
+              'rank {} of {} did not join at {}'.format(other, env.world_size, env.address), env.rank)
         theirs = int(store.get('world_size/{}'.format(other)))
         if theirs != env.world_size:
             store.set('checked/{}'.format(env.rank), 'mismatch')
