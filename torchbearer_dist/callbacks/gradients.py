@@ -176,6 +176,7 @@ class AllReduceGradients(AgreeOnStop):
 
     def on_backward(self, state):
         if self.buckets is not None:
+            self.buckets.end_backward()
             self._check_step(state)
 
     def _stopped_by_buckets(self):
@@ -183,6 +184,7 @@ class AllReduceGradients(AgreeOnStop):
 
     def _after_step(self, state):
         if self.buckets is not None:
+            self.buckets.end_backward()
             self._check_step(state)
             self.buckets.disarm()
         super()._after_step(state)

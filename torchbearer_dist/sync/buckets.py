@@ -32,17 +32,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from torchbearer_dist.sync._autograd import queue_at_backward_end
 from torchbearer_dist.sync.flat_buckets import check_options, check_supported, pack, ready_order
 from torchbearer_dist.sync.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
-
-
-def _queue_at_backward_end(callback):
-    # torch has no public way to run code when a backward pass ends but before it returns. DDP's
-    # reducer (C++), torch's Python DDP (_DDPSink) and FSDP all use the engine's queue_callback: this
-    # is the package's one use of it.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _output_tensors(output):
@@ -104,6 +98,7 @@ class GradientBuckets:
         self.sync_every = sync_every
         self._hooks, self._next, self._stop, self._repack = [], 0, 0.0, None
         self._armed = self._in_backward = self._syncing = self._unfinished = False
+        self._pending_end = None
         self.backwards = self.began = 0  # armed backward passes (local ones included); noticed in this step
         self.synced = False  # a backward of the current step synchronized
         self.stop = False  # after a synchronizing backward: some rank asked to stop
@@ -179,7 +174,18 @@ class GradientBuckets:
         if self.synced:
             raise RuntimeError('a second backward pass in one training step after its gradients were averaged; call '
                                'backward once per step, or pass sync_every=k to average only every k-th backward')
-        _queue_at_backward_end(self._end_sync if self._syncing else self._end_local)
+        end = self._end_sync if self._syncing else self._end_local
+        if not queue_at_backward_end(end):
+            self._pending_end = end  # run by end_backward(), from the Trial's on_backward
+
+    def end_backward(self):
+        """End a backward pass whose end torch could not queue (see :mod:`~torchbearer_dist.sync._autograd`).
+
+        Does nothing when the pass already ended, as it does whenever torch queues the end itself.
+        """
+        end, self._pending_end = self._pending_end, None
+        if end is not None:
+            end()
 
     def _end_local(self):
         self._in_backward = False
