@@ -16,8 +16,8 @@ Two ways to notice backward and fill the buckets:
 - *Overlapped*: a post-accumulate-grad hook on each parameter copies its gradient in; once every
   gradient of a bucket is in, the bucket's all-reduce starts while backward computes the rest.
 - *After backward*: one tensor hook on the model's output (the place of DDP's ``_DDPSink``) queues
-  the end-of-backward callback, which fills every bucket with one fused copy per bucket. No Python
-  runs per parameter. Parameters outside the model (learnable loss terms) get a post-accumulate hook.
+  the end-of-backward callback, which copies every gradient into its bucket (one ``copy_`` per
+  parameter, no hook per parameter). Parameters outside the model (learnable loss terms) get a post-accumulate hook.
   ``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
 
 The hooks act only while *armed* (between the start of a training step and its end), so a backward
