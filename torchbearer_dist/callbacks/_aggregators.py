@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torchbearer.bases import Metric
 from torchbearer.metrics import EpochLambda, Mean, MetricTree, RunningMean, Std, Var
 
+from torchbearer_dist._once import warn_once
 from torchbearer_dist.sync import collectives, gather
 
 
@@ -164,7 +165,12 @@ class _GatheredEpochLambda(_Wrapped):
 
 
 class _SameOnEveryRank(_Wrapped):
-    """Around any other metric: its numeric epoch figures, when they differ, become the sample-weighted mean."""
+    """Around any other metric (a max, an F1, a custom Metric): left as torchbearer computes it on each rank.
+
+    This module cannot know how such a figure combines over ranks, so it never averages it. When its
+    numeric epoch figures differ between ranks, rank 0 warns once per metric name that they are this
+    rank's own; figures that agree on every rank (epoch, lr, ...) pass silently.
+    """
 
     def process_final(self, *args):
         result = self.inner.process_final(*args)
@@ -175,13 +181,17 @@ class _SameOnEveryRank(_Wrapped):
                        or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point())
         local = torch.tensor([float(numbers[k]) for k in names], dtype=torch.float64)
         both = torch.cat([local, -local]).to(collectives.comm_device(torch.device('cpu')))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        if torch.equal(both[:len(names)].cpu(), -both[len(names):].cpu()):
-            return result  # the same on every rank (epoch, lr, ...)
-        means = collectives.weighted_means({k: numbers[k] for k in names}, self._pass.samples)
-        for k, v in means.items():
-            numbers[k] = torch.tensor(v, dtype=numbers[k].dtype) if isinstance(numbers[k], torch.Tensor) else v
-        return numbers if isinstance(result, dict) else numbers['']
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # a synchronization point for every rank alike
+        high, low = both[:len(names)].cpu(), -both[len(names):].cpu()
+        differ = [k or self.name for k, h, lo in zip(names, high.tolist(), low.tolist()) if h != lo]
+        if differ and collectives.rank() == 0:
+            warn_once(UNKNOWN.format(', '.join(repr(k) for k in differ), type(self.inner).__name__))
+        return result
+
+
+UNKNOWN = ('torchbearer_dist: metric {} ({}) is not one ReduceMetrics knows how to combine over ranks (Mean, '
+           'Var, Std, RunningMean, EpochLambda); it differs between ranks and is left as torchbearer computes it '
+           'on each rank, over that rank\'s samples only: what rank 0 prints, logs and checkpoints on is rank 0\'s')
 
 
 _OURS = (_GlobalMean, _GlobalVar, _Wrapped)

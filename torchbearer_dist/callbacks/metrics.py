@@ -74,8 +74,10 @@ class ReduceMetrics(Callback):
     - **Metrics that are not means** (torchbearer's ``EpochLambda``, such as roc_auc): computed on the
       outputs of all ranks, gathered, never averaged.
     - ``running_`` figures: the last running value of each rank, averaged over ranks.
-    - Any other numeric figure: kept where every rank has the same (epoch, lr), else averaged over
-      ranks weighted by their samples.
+    - Any other metric (a max, an F1, a custom ``Metric``): left as torchbearer computes it on each
+      rank, never averaged; where its figure differs between ranks, rank 0 warns once
+      (``RuntimeWarning``) that it covers rank 0's samples only. Figures the same on every rank
+      (epoch, lr) pass silently.
 
     Under a padding DistributedSampler, validation and prediction drop the repeated samples, so each
     sample counts exactly once. ``Trial.predict()`` on a loader with a DistributedSampler returns, on
