@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torchbearer.bases import Metric
 from torchbearer.metrics import EpochLambda, Mean, MetricTree, RunningMean, Std, Var
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist._once import warn_once
 from torchbearer_dist.sync import collectives, gather
 
@@ -157,11 +158,8 @@ class _GatheredEpochLambda(_Wrapped):
     """Around an ``EpochLambda`` (roc_auc, ...): its function runs on the outputs of every rank, gathered."""
 
     def process_final(self, *args):
-        # EpochLambda keeps the epoch's outputs in private attributes, with no public way to set them.
-        inner = self.inner
-        inner._y_pred = gather.all_gather_rows(inner._y_pred)[0]
-        inner._y_true = gather.all_gather_rows(inner._y_true)[0]
-        return inner.process_final(*args)
+        _torchbearer.gather_epoch_outputs(self.inner, lambda rows: gather.all_gather_rows(rows)[0])
+        return self.inner.process_final(*args)
 
 
 class _SameOnEveryRank(_Wrapped):
@@ -201,9 +199,10 @@ def _replacement(node, shared):
     if isinstance(node, _OURS):
         return node
     if type(node) is Mean:
-        return _GlobalMean(node.name, node._kwargs.get('dim'), shared)  # Mean keeps its dim only privately
+        return _GlobalMean(node.name, _torchbearer.mean_dim(node), shared)
     if type(node) in (Var, Std):
-        return _GlobalVar(node.name, node._unbiased, node._kwargs.get('dim'), type(node) is Std, shared)
+        return _GlobalVar(node.name, _torchbearer.var_unbiased(node), _torchbearer.mean_dim(node), type(node) is Std,
+                          shared)
     if isinstance(node, RunningMean):
         return _RunningOverRanks(node, shared)
     if isinstance(node, EpochLambda):

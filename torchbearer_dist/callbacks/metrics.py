@@ -10,6 +10,7 @@ from torch.utils.data import DistributedSampler
 from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks import _aggregators
 from torchbearer_dist.data import distributed_sampler
 from torchbearer_dist.runtime.env import current_env
@@ -51,10 +52,9 @@ def _trim(value, keep):
 def _predicting(callbacks):
     """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
     while callbacks is not None:
-        if isinstance(getattr(callbacks, 'callback', None), AggregatePredictions):
+        if isinstance(_torchbearer.injected(callbacks), AggregatePredictions):
             return True
         callbacks = getattr(callbacks, 'callback_list', None)
-        callbacks = callbacks if hasattr(callbacks, 'callback') else None
     return False
 
 

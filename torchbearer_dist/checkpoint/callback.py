@@ -4,6 +4,7 @@ import os
 import torchbearer
 from torchbearer import Callback
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.checkpoint.files import save_checkpoint
 from torchbearer_dist.sync import collectives
 
@@ -70,7 +71,9 @@ class Checkpoint(Callback):
     def on_start_epoch(self, state):
         callbacks = list(state[torchbearer.CALLBACK_LIST])
         for i, scheduler_state in sorted(self.pending_schedulers.items()):
-            callbacks[i]._scheduler.load_state_dict(scheduler_state)  # see _callback_states
+            scheduler = _torchbearer.torch_scheduler(callbacks[i])  # see files._callback_states
+            if scheduler is not None:
+                scheduler.load_state_dict(scheduler_state)
         self.pending_schedulers = {}
 
     def on_checkpoint(self, state):
