@@ -1,7 +1,4 @@
 """Rank-0 I/O: progress bars, printing, logging and checkpoints on global rank 0 only."""
-import functools
-import inspect
-
 import torchbearer
 from torchbearer import Callback
 from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
@@ -36,20 +33,6 @@ def _silence(callbacks):
             _silence(callback)
         elif isinstance(callback, _output_types()) or isinstance(callback, RankZeroOnly):
             callbacks.callback_list[i] = _Silent(callback)
-
-
-def _quiet(method):
-    """A Trial's ``run``, ``evaluate`` or ``predict`` that always passes ``verbose=0``: no progress bar is injected."""
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def quiet(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments['verbose'] = 0
-        return method(*bound.args, **bound.kwargs)
-
-    quiet.quiet = True
-    return quiet
 
 
 class RankZeroOutput(Callback):
@@ -101,10 +84,7 @@ class RankZeroOutput(Callback):
             return
         trial = state[torchbearer.SELF]
         trial.verbose = 0
-        for name in ('run', 'evaluate', 'predict'):
-            method = getattr(trial, name, None)
-            if method is not None and not getattr(method, 'quiet', False):
-                setattr(trial, name, _quiet(method))
+        _torchbearer.quiet_injected_printers(trial)
         _silence(trial.state[torchbearer.CALLBACK_LIST])  # the Trial's own list, under any injection
 
 
