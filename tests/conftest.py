@@ -39,7 +39,7 @@ def _children():
         try:
             with open('/proc/{}/stat'.format(entry)) as f:
                 fields = f.read().rsplit(')', 1)[1].split()
-        except OSError:
+        except (OSError, IndexError):  # gone, or read empty while it exits
             continue
         if fields[1] == me and fields[0] != 'Z':
             found.append(int(entry))

@@ -73,7 +73,7 @@ def test_every_shell_line_is_checked_by_a_test():
 
 def test_install_lines_are_quoted_and_resolve_from_the_clone():
     """``pip install`` lines of the README and the docs' index: extras quoted (zsh globs ``[...]``), and
-    pip resolves each from this checkout, with extras that setup.py declares."""
+    pip resolves each from this checkout, with extras that pyproject.toml declares."""
     if importlib.util.find_spec('setuptools') is None:
         pytest.skip('setuptools is not installed; pip cannot build the metadata without build isolation')
     with open(os.path.join(ROOT, 'docs', 'index.rst')) as f:

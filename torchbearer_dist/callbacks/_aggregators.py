@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torchbearer.bases import Metric
 from torchbearer.metrics import EpochLambda, Mean, MetricTree, RunningMean, Std, Var
 
+from torchbearer_dist import _torchbearer
+from torchbearer_dist._once import warn_once
 from torchbearer_dist.sync import collectives, gather
 
 
@@ -156,15 +158,17 @@ class _GatheredEpochLambda(_Wrapped):
     """Around an ``EpochLambda`` (roc_auc, ...): its function runs on the outputs of every rank, gathered."""
 
     def process_final(self, *args):
-        # EpochLambda keeps the epoch's outputs in private attributes, with no public way to set them.
-        inner = self.inner
-        inner._y_pred = gather.all_gather_rows(inner._y_pred)[0]
-        inner._y_true = gather.all_gather_rows(inner._y_true)[0]
-        return inner.process_final(*args)
+        _torchbearer.gather_epoch_outputs(self.inner, lambda rows: gather.all_gather_rows(rows)[0])
+        return self.inner.process_final(*args)
 
 
 class _SameOnEveryRank(_Wrapped):
-    """Around any other metric: its numeric epoch figures, when they differ, become the sample-weighted mean."""
+    """Around any other metric (a max, an F1, a custom Metric): left as torchbearer computes it on each rank.
+
+    This module cannot know how such a figure combines over ranks, so it never averages it. When its
+    numeric epoch figures differ between ranks, rank 0 warns once per metric name that they are this
+    rank's own; figures that agree on every rank (epoch, lr, ...) pass silently.
+    """
 
     def process_final(self, *args):
         result = self.inner.process_final(*args)
@@ -175,13 +179,17 @@ class _SameOnEveryRank(_Wrapped):
                        or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point())
         local = torch.tensor([float(numbers[k]) for k in names], dtype=torch.float64)
         both = torch.cat([local, -local]).to(collectives.comm_device(torch.device('cpu')))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        if torch.equal(both[:len(names)].cpu(), -both[len(names):].cpu()):
-            return result  # the same on every rank (epoch, lr, ...)
-        means = collectives.weighted_means({k: numbers[k] for k in names}, self._pass.samples)
-        for k, v in means.items():
-            numbers[k] = torch.tensor(v, dtype=numbers[k].dtype) if isinstance(numbers[k], torch.Tensor) else v
-        return numbers if isinstance(result, dict) else numbers['']
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # a synchronization point for every rank alike
+        high, low = both[:len(names)].cpu(), -both[len(names):].cpu()
+        differ = [k or self.name for k, h, lo in zip(names, high.tolist(), low.tolist()) if h != lo]
+        if differ and collectives.rank() == 0:
+            warn_once(UNKNOWN.format(', '.join(repr(k) for k in differ), type(self.inner).__name__))
+        return result
+
+
+UNKNOWN = ('torchbearer_dist: metric {} ({}) is not one ReduceMetrics knows how to combine over ranks (Mean, '
+           'Var, Std, RunningMean, EpochLambda); it differs between ranks and is left as torchbearer computes it '
+           'on each rank, over that rank\'s samples only: what rank 0 prints, logs and checkpoints on is rank 0\'s')
 
 
 _OURS = (_GlobalMean, _GlobalVar, _Wrapped)
@@ -191,9 +199,10 @@ def _replacement(node, shared):
     if isinstance(node, _OURS):
         return node
     if type(node) is Mean:
-        return _GlobalMean(node.name, node._kwargs.get('dim'), shared)  # Mean keeps its dim only privately
+        return _GlobalMean(node.name, _torchbearer.mean_dim(node), shared)
     if type(node) in (Var, Std):
-        return _GlobalVar(node.name, node._unbiased, node._kwargs.get('dim'), type(node) is Std, shared)
+        return _GlobalVar(node.name, _torchbearer.var_unbiased(node), _torchbearer.mean_dim(node), type(node) is Std,
+                          shared)
     if isinstance(node, RunningMean):
         return _RunningOverRanks(node, shared)
     if isinstance(node, EpochLambda):

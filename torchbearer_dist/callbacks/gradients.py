@@ -218,11 +218,13 @@ class AllReduceGradients(Callback):
 
     def on_backward(self, state):
         if self.buckets is not None:
+            self.buckets.end_backward()
             self._check_step(state)
 
     def _after_step(self, state):
         """Called by the stop agreement's companion after every other callback of the step."""
         if self.buckets is not None:
+            self.buckets.end_backward()
             self._check_step(state)
             self.buckets.disarm()
         self._steps += 1

@@ -12,6 +12,7 @@ from torch.utils.data import DistributedSampler
 from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks import _aggregators
 from torchbearer_dist.callbacks.gradients import check_loss_reduction, loss_is_summed
 from torchbearer_dist.callbacks.stop import _callback_list
@@ -55,10 +56,9 @@ def _trim(value, keep):
 def _predicting(callbacks):
     """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
     while callbacks is not None:
-        if isinstance(getattr(callbacks, 'callback', None), AggregatePredictions):
+        if isinstance(_torchbearer.injected(callbacks), AggregatePredictions):
             return True
         callbacks = getattr(callbacks, 'callback_list', None)
-        callbacks = callbacks if hasattr(callbacks, 'callback') else None
     return False
 
 
@@ -114,8 +114,10 @@ class ReduceMetrics(Callback):
     - **Metrics that are not means** (torchbearer's ``EpochLambda``, such as roc_auc): computed on the
       outputs of all ranks, gathered, never averaged.
     - ``running_`` figures: the last running value of each rank, averaged over ranks.
-    - Any other numeric figure: kept where every rank has the same (epoch, lr), else averaged over
-      ranks weighted by their samples.
+    - Any other metric (a max, an F1, a custom ``Metric``): left as torchbearer computes it on each
+      rank, never averaged; where its figure differs between ranks, rank 0 warns once
+      (``RuntimeWarning``) that it covers rank 0's samples only. Figures the same on every rank
+      (epoch, lr) pass silently.
 
     With a **summed loss** (a torch loss module with ``reduction='sum'``, or ``loss_reduction='sum'``),
     one process at N x B reports the sum over N x B samples: every rank's batch loss then counts

@@ -1,12 +1,9 @@
 """Rank-0 I/O: progress bars, printing, logging and checkpoints on global rank 0 only."""
-import functools
-import inspect
-
 import torchbearer
 from torchbearer import Callback
 from torchbearer.callbacks import CallbackList, ConsolePrinter, CSVLogger, Tqdm
-from torchbearer.callbacks.checkpointers import _Checkpointer
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.sync import collectives
 
 
@@ -26,29 +23,16 @@ class _Silent(Callback):
         return 'silenced on this rank: {}'.format(self.silenced)
 
 
-_OUTPUT = (Tqdm, ConsolePrinter, CSVLogger, _Checkpointer)
+def _output_types():
+    return (Tqdm, ConsolePrinter, CSVLogger) + _torchbearer.checkpointer_types()
 
 
 def _silence(callbacks):
     for i, callback in enumerate(callbacks.callback_list):
         if isinstance(callback, CallbackList):
             _silence(callback)
-        elif isinstance(callback, _OUTPUT) or isinstance(callback, RankZeroOnly):
+        elif isinstance(callback, _output_types()) or isinstance(callback, RankZeroOnly):
             callbacks.callback_list[i] = _Silent(callback)
-
-
-def _quiet(method):
-    """A Trial's ``run``, ``evaluate`` or ``predict`` that always passes ``verbose=0``: no progress bar is injected."""
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def quiet(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments['verbose'] = 0
-        return method(*bound.args, **bound.kwargs)
-
-    quiet.quiet = True
-    return quiet
 
 
 class RankZeroOutput(Callback):
@@ -77,13 +61,14 @@ class RankZeroOutput(Callback):
         if collectives.rank() == 0:
             return
         callbacks = state[torchbearer.CALLBACK_LIST]
-        if hasattr(callbacks, 'callback') and isinstance(callbacks.callback, _OUTPUT):
+        printer = _torchbearer.injected(callbacks)
+        if isinstance(printer, _output_types()):
             # The printer injected by run(verbose=...) when the group came up after the Trial was built:
             # it drew its first line before this on_start; it draws nothing more, not even on close.
-            bar = getattr(callbacks.callback, '_loader', None)
+            bar = getattr(printer, '_loader', None)
             if bar is not None:
                 bar.disable = True
-            callbacks.callback = _Silent(callbacks.callback)
+            _torchbearer.replace_injected(callbacks, _Silent(printer))
 
     @staticmethod
     def _silence(state):
@@ -99,10 +84,7 @@ class RankZeroOutput(Callback):
             return
         trial = state[torchbearer.SELF]
         trial.verbose = 0
-        for name in ('run', 'evaluate', 'predict'):
-            method = getattr(trial, name, None)
-            if method is not None and not getattr(method, 'quiet', False):
-                setattr(trial, name, _quiet(method))
+        _torchbearer.quiet_injected_printers(trial)
         _silence(trial.state[torchbearer.CALLBACK_LIST])  # the Trial's own list, under any injection
 
 

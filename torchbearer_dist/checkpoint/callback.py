@@ -7,6 +7,7 @@ import torch
 import torchbearer
 from torchbearer import Callback
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.files import _payload, _write_checkpoint
 from torchbearer_dist.runtime import interrupts
@@ -142,7 +143,9 @@ class Checkpoint(Callback):
     def on_start_epoch(self, state):
         callbacks = list(state[torchbearer.CALLBACK_LIST])
         for i, scheduler_state in sorted(self.pending_schedulers.items()):
-            callbacks[i]._scheduler.load_state_dict(scheduler_state)  # see _callback_states
+            scheduler = _torchbearer.torch_scheduler(callbacks[i])  # see files._callback_states
+            if scheduler is not None:
+                scheduler.load_state_dict(scheduler_state)
         self.pending_schedulers = {}
         pending = self.pending_position
         rngs = pending[1] if pending is not None and pending[0]['epoch'] == state[torchbearer.EPOCH] else None

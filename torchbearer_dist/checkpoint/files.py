@@ -18,8 +18,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torchbearer
-from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.checkpoint._atomic import keep_previous as _keep_previous
 from torchbearer_dist.checkpoint._atomic import remove_stale_temporaries as _remove_stale_temporaries
 from torchbearer_dist.checkpoint._atomic import write as _write
@@ -64,7 +64,7 @@ def _callback_states(callbacks):
     entries = []
     for callback, state in zip(list(callbacks), states):
         # TorchScheduler saves no state of the torch scheduler it keeps privately; it is the only way to it.
-        scheduler = getattr(callback, '_scheduler', None) if isinstance(callback, TorchScheduler) else None
+        scheduler = _torchbearer.torch_scheduler(callback)
         scheduler = None if scheduler is None else scheduler.state_dict()
         for what, value in (('state', state), ('scheduler', scheduler)):
             if not _is_plain(value):

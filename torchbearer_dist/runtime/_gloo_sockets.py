@@ -27,12 +27,23 @@ accepted connection) or its remote address is another rank's (a connection this 
 store, and anything else the process has open (wandb, TensorBoard), never matches. The published
 address is checked against this process's own listening socket; on any mismatch, or off Linux,
 this module does nothing. These key names and layout are private to c10d and gloo, hence one module.
+When they are not found, :func:`endpoints` warns once (:data:`LOST`): the guarantee lost is that a
+rank blocked in a gloo collective wakes within seconds of a peer falling silent. The test
+``tests/runtime/test_private_gloo.py`` fails on the pinned torch if the layout moved.
 """
 import os
 import socket
 import struct
+import sys
+
+from torchbearer_dist._once import warn_once
 
 _AF_INET, _AF_INET6 = 2, 10
+
+LOST = ('torchbearer_dist: gloo\'s listening addresses were not found in the c10d store (key '
+        '"<group>//cpu//0/<rank>", a sockaddr after a short header) in this torch {}; a rank blocked in a '
+        'gloo collective now wakes only at the process group\'s timeout, not within seconds of a peer falling '
+        'silent')
 
 
 def _sockaddr(value, offset):
@@ -115,14 +126,21 @@ def endpoints(store, group_name, rank, world_size):
     try:
         values = [store.get('{}//cpu//0/{}'.format(group_name, other)) for other in range(world_size)]
     except Exception:
-        return None
+        return _lost()
     listening = set(local for _, _, local, _, listens in _sockets() if listens)
     # The sockaddr sits after a short header (at byte 18 in torch 2.14); take the first offset at
     # which this rank's own value names a socket this process listens on, and read every rank there.
     for offset in range(0, 64, 2):
         if _sockaddr(values[rank], offset) in listening:
             found = [_sockaddr(value, offset) for value in values]
-            return None if None in found else found
+            return _lost() if None in found else found
+    return _lost()
+
+
+def _lost():
+    if sys.platform.startswith('linux'):  # elsewhere this module never had a way to the sockets
+        import torch
+        warn_once(LOST.format(torch.__version__))
     return None
 
 

@@ -16,8 +16,8 @@ Two ways to notice backward and fill the buckets:
 - *Overlapped*: a post-accumulate-grad hook on each parameter copies its gradient in; once every
   gradient of a bucket is in, the bucket's all-reduce starts while backward computes the rest.
 - *After backward*: one tensor hook on the model's output (the place of DDP's ``_DDPSink``) queues
-  the end-of-backward callback, which fills every bucket with one fused copy per bucket. No Python
-  runs per parameter. Parameters outside the model (learnable loss terms) get a post-accumulate hook.
+  the end-of-backward callback, which copies every gradient into its bucket (one ``copy_`` per
+  parameter, no hook per parameter). Parameters outside the model (learnable loss terms) get a post-accumulate hook.
   ``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
 
 The hooks act only while *armed* (between the start of a training step and its end), so a backward
@@ -32,17 +32,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from torchbearer_dist.sync._autograd import queue_at_backward_end
 from torchbearer_dist.sync.flat_buckets import check_options, check_supported, pack, ready_order
 from torchbearer_dist.sync.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
-
-
-def _queue_at_backward_end(callback):
-    # torch has no public way to run code when a backward pass ends but before it returns. DDP's
-    # reducer (C++), torch's Python DDP (_DDPSink) and FSDP all use the engine's queue_callback: this
-    # is the package's one use of it.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _output_tensors(output):
@@ -109,6 +103,7 @@ class GradientBuckets:
         self.sync_every = sync_every
         self._hooks, self._next, self._stop, self._repack = [], 0, 0.0, None
         self._armed = self._in_backward = self._syncing = self._unfinished = False
+        self._pending_end = None
         self.backwards = self.began = 0  # armed backward passes (local ones included); noticed in this step
         self.synced = False  # a backward of the current step synchronized
         self.stop = False  # after a synchronizing backward: some rank asked to stop
@@ -190,7 +185,18 @@ class GradientBuckets:
         # A second backward in the step (a GAN's discriminator pass) synchronizes again: the gradients
         # averaged before are equal on every rank, so averaging them again leaves them as they are.
         self._syncing = self.backwards % self.sync_every == 0
-        _queue_at_backward_end(self._end_sync if self._syncing else self._end_local)
+        end = self._end_sync if self._syncing else self._end_local
+        if not queue_at_backward_end(end):
+            self._pending_end = end  # run by end_backward(), from the Trial's on_backward
+
+    def end_backward(self):
+        """End a backward pass whose end torch could not queue (see :mod:`~torchbearer_dist.sync._autograd`).
+
+        Does nothing when the pass already ended, as it does whenever torch queues the end itself.
+        """
+        end, self._pending_end = self._pending_end, None
+        if end is not None:
+            end()
 
     def _end_local(self):
         self._in_backward = False

@@ -86,15 +86,17 @@ class FlatBucket:
         self.params[position].grad = view
 
     def fill(self):
-        """Copy in every gradient not yet in, with one fused copy; zero-fill the missing ones.
+        """Copy in every gradient not yet in; zero-fill the missing ones.
 
         Returns:
             bool: whether a gradient was missing (None) on this rank
         """
         if self.pending == len(self.params):
             grads = [p.grad for p in self.params]
-            if not any(grad is None or grad.is_sparse for grad in grads):  # the common case: one fused copy
-                torch._foreach_copy_(self.views, grads)  # copying a view onto itself is a no-op
+            if not any(grad is None or grad.is_sparse for grad in grads):  # the common case: every gradient dense
+                for view, grad in zip(self.views, grads):
+                    if grad.data_ptr() != view.data_ptr():  # a gradient already in its view stays
+                        view.copy_(grad)
                 self.pending = 0
                 return False
         missing = False

@@ -1,7 +1,6 @@
 """Model-level collectives: the same architecture, the same values, and rank 0's weights everywhere."""
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from torchbearer_dist.sync import collectives
 
@@ -147,7 +146,7 @@ def _broadcast_tensors(tensors, src, method):
     with torch.no_grad():
         for key in sorted(groups, key=str):
             tensors = [t.detach() for t in groups[key]]
-            flat = _flatten_dense_tensors(tensors)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             if dist.get_backend() == 'nccl' and flat.device.type != 'cuda':
                 flat = flat.cuda()
             if method == 'broadcast':
@@ -159,8 +158,8 @@ def _broadcast_tensors(tensors, src, method):
             else:
                 dist.recv(flat, src)
             if collectives.rank() != src:
-                for tensor, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                    tensor.copy_(value)
+                for tensor, value in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                    tensor.copy_(value.view_as(tensor))
 
 
 def unwrap(model):

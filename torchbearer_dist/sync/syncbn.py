@@ -85,7 +85,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 # torch offers no public base shared by BatchNorm1d/2d/3d; _BatchNorm is the one torch's own
-# SyncBatchNorm extends, and tools that treat BatchNorm specially recognize it.
+# SyncBatchNorm extends, and tools that treat BatchNorm specially recognize it. The public
+# alternatives are worse: a torch.nn.SyncBatchNorm subclass is refused by DDP on CPU, and a
+# BatchNorm2d subclass would claim a dimensionality it does not check. Its bias= keyword is accepted
+# from torch 2.13, the floor (tests/sync/test_syncbn_versions.py runs in both CI configurations).
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm whose training statistics are those of every rank's batch together, on CPU or GPU.
 

@@ -1,0 +1,55 @@
+"""Canary: the c10d store key and gloo address layout that ``runtime/_gloo_sockets.py`` reads are still there.
+
+Fails on the pinned torch if a torch upgrade moved them; the package then warns once at run time
+(``_gloo_sockets.LOST``) that a silent peer ends a job only at the process group's timeout.
+"""
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from torchbearer_dist.runtime import _gloo_sockets
+
+_SCRIPT = r'''
+import datetime, os, socket, warnings
+import torch.distributed as dist
+from torchbearer_dist.runtime import _gloo_sockets
+warnings.simplefilter('error')  # a LOST warning fails the run
+probe = socket.socket(); probe.bind(('127.0.0.1', 0)); port = probe.getsockname()[1]; probe.close()
+store = dist.TCPStore('127.0.0.1', port, 1, True, timeout=datetime.timedelta(seconds=20))
+dist.init_process_group('gloo', store=store, rank=0, world_size=1)
+raw = store.get('{}//cpu//0/0'.format(dist.group.WORLD.group_name))  # the key itself, before any parsing
+found = _gloo_sockets.endpoints(store, dist.group.WORLD.group_name, 0, 1)
+listening = [local for fd, inode, local, remote, listens in _gloo_sockets._sockets() if listens]
+print('KEY', len(raw), 'FOUND', found, 'LISTENING', listening, flush=True)
+assert found is not None and found[0] in listening, (found, listening)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='the fallback reads /proc/self/fd: Linux only')
+def test_gloo_publishes_its_listening_address_where_the_fallback_reads_it():
+    done = subprocess.run([sys.executable, '-c', _SCRIPT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 'FOUND [(' in done.stdout
+
+
+def test_a_layout_not_found_warns_once_naming_the_lost_guarantee():
+    class _NoKeys:
+        def get(self, key):
+            raise KeyError(key)
+
+    import torch
+
+    from torchbearer_dist import _once
+    _once._given.discard(_gloo_sockets.LOST.format(torch.__version__))  # once per process: start afresh
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        assert _gloo_sockets.endpoints(_NoKeys(), '0', 0, 2) is None
+        assert _gloo_sockets.endpoints(_NoKeys(), '0', 1, 2) is None
+    lost = [w for w in caught if 'wakes only at the process group' in str(w.message)]
+    if sys.platform.startswith('linux'):
+        assert len(lost) == 1 and issubclass(lost[0].category, RuntimeWarning)
+    else:
+        assert lost == []
