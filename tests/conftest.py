@@ -1,5 +1,6 @@
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -7,6 +8,12 @@ import torch
 import torch.distributed as dist
 
 import torchbearer_dist
+
+# Test files live in one folder per layer (tests/sync/, tests/callbacks/, ...) and import the shared
+# helpers (_dist, _netns) from here; spawned ranks inherit this sys.path.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 
 def pytest_configure(config):

@@ -3,7 +3,7 @@
 Each page is copied next to the build with a script appended that measures every ``pre`` (its
 ``scrollWidth`` against its ``clientWidth``: a block that scrolls sideways hides the end of its
 lines) and every table (its right edge against the article's), and writes the figures into the DOM
-that ``chromium --dump-dom`` prints. Run by hand, ``python tests/test_browser.py docs/_build/html``
+that ``chromium --dump-dom`` prints. Run by hand, ``python tests/docs/test_browser.py docs/_build/html``
 prints the figures and saves a screenshot of each page next to it.
 """
 import json
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'troubleshooting', 'api')
 WIDTH, HEIGHT = 1366, 900
 #: Pixels a table may reach past the article: furo pads a table's box by 0.2 em for its shadow.

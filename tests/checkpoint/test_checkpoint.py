@@ -1,7 +1,7 @@
 """Checkpoints (issue 4, item 9; issue 8, item 8): rank 0 alone touches the path, writes atomically; resume on
 another world size restores callbacks and schedulers too.
 
-The crash test runs this file as a script (``python tests/test_checkpoint.py --write PATH``): a writer
+The crash test runs this file as a script (``python tests/checkpoint/test_checkpoint.py --write PATH``): a writer
 saving checkpoints in a loop, killed with SIGKILL at random moments.
 """
 import argparse

@@ -1,7 +1,7 @@
 """Faults end cleanly: bounded time, a one-line cause, nothing left running (issue 4).
 
 Every test runs real processes over gloo on loopback. Hand-started ranks run this file as a script
-(``python tests/test_faults.py --rank i ...``, see :func:`main`), as a user starts one rank per machine;
+(``python tests/runtime/test_faults.py --rank i ...``, see :func:`main`), as a user starts one rank per machine;
 each runs in its own session, and the session is killed by pgid in ``finally``. Each test asserts the
 time bound, the message (the rank, the cause and the fix), and that nothing is left running with the
 master port bindable again.
@@ -652,7 +652,7 @@ def test_silent_peer_ends_every_rank_within_the_rendezvous_timeout(silent):
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. Uneven inputs: no hang (correctness is tested in test_callbacks.py).
+# 5. Uneven inputs: no hang (correctness is tested in tests/callbacks/test_callbacks.py).
 
 def _worker_uneven():
     import torch
