@@ -28,7 +28,7 @@ RENDEZVOUS_TIMEOUT = 5
 if __name__ != '__main__':  # as a script (one hand-started rank) torch is imported only in main()
     from torchbearer_dist.runtime import rendezvous
 
-    from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, kill_session, run_command, run_workers
+    from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, kill_session, launch_workers, run_command
     from _netns import TwoHosts
 
     #: Seconds between heartbeats (watchdog.py).
@@ -373,7 +373,7 @@ def _raise_on_rank_1():
 def test_launcher_reraises_the_root_cause_once():
     # The deadline, not pytest.raises, fails a slow run: it raises RuntimeError('... still running ...').
     with pytest.raises(ValueError, match=r'^rank 1 failed: bad batch on rank 1$'):
-        run_workers(_raise_on_rank_1, 2, timeout=TIMEOUT, rendezvous_timeout=RENDEZVOUS_TIMEOUT,
+        launch_workers(_raise_on_rank_1, 2, timeout=TIMEOUT, rendezvous_timeout=RENDEZVOUS_TIMEOUT,
                     deadline=STARTUP + DEAD_PEER_BOUND)
 
 
@@ -677,7 +677,7 @@ def _worker_uneven():
 def test_uneven_inputs_end_without_a_hang():
     import torch
     # A hang would wait for the collective timeout: the deadline, well below it, fails the test first.
-    (steps0, weight0), (steps1, weight1) = run_workers(_worker_uneven, 2, timeout=TIMEOUT, deadline=TIMEOUT - 10)
+    (steps0, weight0), (steps1, weight1) = launch_workers(_worker_uneven, 2, timeout=TIMEOUT, deadline=TIMEOUT - 10)
     assert steps0 == steps1 == 10
     assert torch.equal(weight0, weight1)
 
@@ -708,7 +708,7 @@ def _worker_listening():
 
 
 def test_store_listens_on_the_master_address_only():
-    addresses = run_workers(_worker_listening, 2, timeout=TIMEOUT)[0]
+    addresses = launch_workers(_worker_listening, 2, timeout=TIMEOUT)[0]
     assert addresses == ['127.0.0.1'], 'the store listens on {}, not on 127.0.0.1 only'.format(addresses)
 
 
@@ -746,7 +746,7 @@ def _worker_no_pickle(path):
 
 @pytest.mark.slow
 def test_training_never_uses_object_collectives(tmp_path):
-    assert run_workers(_worker_no_pickle, 2, args=(str(tmp_path / 'run.pt'),), timeout=TIMEOUT) == [1, 1]
+    assert launch_workers(_worker_no_pickle, 2, args=(str(tmp_path / 'run.pt'),), timeout=TIMEOUT) == [1, 1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -770,7 +770,7 @@ def _worker_rank0_works_alone(seconds):
 def test_rank0_only_work_longer_than_the_rendezvous_timeout_does_not_end_the_job():
     rendezvous_timeout, collective_timeout = 2, 40
     pause = 3 * rendezvous_timeout  # the heartbeat goes on meanwhile; only the collective timeout could end it
-    results = run_workers(_worker_rank0_works_alone, 2, args=(pause,), timeout=collective_timeout,
+    results = launch_workers(_worker_rank0_works_alone, 2, args=(pause,), timeout=collective_timeout,
                           rendezvous_timeout=rendezvous_timeout, deadline=STARTUP + pause + CAUSE_WAIT)
     assert [total for total, _ in results] == [4.0, 4.0]
     rank0_worked, rank1_waited = (waited for _, waited in results)
@@ -796,7 +796,7 @@ def _worker_fail_holding_a_work():
 def test_failing_rank_that_still_holds_the_group_stops_its_peers_at_once():
     # The collective timeout is 60 s; the deadline fails the test long before it.
     with pytest.raises(ValueError, match=r'^rank 1 failed: fails holding a Work$'):
-        run_workers(_worker_fail_holding_a_work, 2, timeout=TIMEOUT, rendezvous_timeout=RENDEZVOUS_TIMEOUT,
+        launch_workers(_worker_fail_holding_a_work, 2, timeout=TIMEOUT, rendezvous_timeout=RENDEZVOUS_TIMEOUT,
                     deadline=STARTUP + CAUSE_WAIT)
 
 
@@ -818,7 +818,7 @@ def _worker_gloo_connections():
 
 def test_gloo_connections_are_identified_positively():
     """Exactly one connection per peer, never the store's nor another library's."""
-    assert run_workers(_worker_gloo_connections, 3, timeout=TIMEOUT) == [(2, False)] * 3
+    assert launch_workers(_worker_gloo_connections, 3, timeout=TIMEOUT) == [(2, False)] * 3
 
 
 def _wakeup_fd():
