@@ -7,6 +7,7 @@ chosen in the parent, every rank is a spawned process that joins with ``torch.di
 the first failure kills every rank and is re-raised with that rank's traceback, and a hard deadline
 kills every rank so a hang fails one test instead of stalling the suite.
 """
+import contextlib
 import ctypes
 import datetime
 import os
@@ -149,6 +150,22 @@ def _rank_main(fn, rank, world_size, port, backend, timeout, group, args, kwargs
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: torch may abort at exit with threads still alive
+
+
+@contextlib.contextmanager
+def world_of_one(timeout=PG_TIMEOUT):
+    """A real gloo process group of one rank in this process: unit tests of collectives, no processes.
+
+    Every collective of a world of one returns its input (a sum over one rank), so what a test sees
+    is the engine's own packing, scaling and unpacking around the collective.
+    """
+    import torch.distributed as dist
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, **launch_kwargs):

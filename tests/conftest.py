@@ -20,9 +20,15 @@ def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs CUDA; TORCHBEARER_DIST_TEST_GPU=1 turns the skip into a failure')
     config.addinivalue_line('markers', 'slow: a multi-process test of several seconds')
     config.addinivalue_line('markers', 'netns: builds Linux network namespaces; needs root')
+    config.addinivalue_line('markers', 'soak: repeats a racy scenario many times; runs only with '
+                                       'TORCHBEARER_DIST_TEST_SOAK=1 (CI runs them in a step of their own)')
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get('TORCHBEARER_DIST_TEST_SOAK') != '1':
+        for item in items:
+            if 'soak' in item.keywords:
+                item.add_marker(pytest.mark.skip(reason='a soak test: set TORCHBEARER_DIST_TEST_SOAK=1'))
     if torch.cuda.is_available():
         return
     must = os.environ.get('TORCHBEARER_DIST_TEST_GPU') == '1'
