@@ -25,6 +25,9 @@ TIMEOUT = 60
 #: Their rendezvous timeout, seconds: also how long a silent peer may go without a heartbeat.
 RENDEZVOUS_TIMEOUT = 5
 
+# tests/, for the shared helpers: pytest's conftest puts it on sys.path, but not a script run of this
+# file, nor the ranks that launch() spawns from one (they import it as __mp_main__).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ != '__main__':  # as a script (one hand-started rank) torch is imported only in main()
     from torchbearer_dist.runtime import rendezvous
 
