@@ -15,11 +15,13 @@ COLOURS = {'single-1-thread': '#9e9e9e', 'single-all-cores': '#616161', 'ddp': '
            'ours-bf16': '#9ecae1', 'ours-powersgd': '#2ca02c'}
 
 
+MODEL_NAMES = {'cnn1m': 'the 1.2M-parameter CNN', 'mlp': 'the 784-100-10 MLP'}
 LINK_NAMES = {'100mbit': '100 Mbit/s', '1gbit': '1 Gbit/s', '10gbit': '10 Gbit/s', 'none': 'unshaped'}
 
 
 def plot(path, rows, command):
-    """Write a PNG of ``rows`` (multihost.py's) to ``path``, legible at 1000 px wide."""
+    """Write a PNG of ``rows`` (multihost.py's) to ``path``: 720 px wide, the width of a documentation page,
+    so that it shows at about its own size there, its smallest text 11 pt (15 px)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -27,9 +29,8 @@ def plot(path, rows, command):
     models = list(dict.fromkeys(r['model'] for r in rows))
     links = list(dict.fromkeys(r['link'] for r in rows))
     names = [n for n in COLOURS if any(r['contender'] == n for r in rows)]
-    columns = 2 if len(models) > 1 else 1
-    lines = (len(models) + columns - 1) // columns
-    figure, axes = plt.subplots(lines, columns, figsize=(13, 4.6 * lines + 1.2), squeeze=False)
+    columns, lines = 1, len(models)
+    figure, axes = plt.subplots(lines, columns, figsize=(7.2, 3.3 * lines + 1.4), squeeze=False, layout='constrained')
     width = 0.8 / max(1, len(names))
     for index, model in enumerate(models):
         ax = axes[index // columns][index % columns]
@@ -48,17 +49,16 @@ def plot(path, rows, command):
                     label='projection (loaded)' if index == 0 and k == 0 else None)
         ax.set_yscale('log')
         ax.set_xticks(range(len(links)))
-        ax.set_xticklabels([LINK_NAMES.get(link, link) for link in links], fontsize=12)
-        ax.tick_params(axis='y', labelsize=11)
-        ax.set_ylabel('samples/s (median)', fontsize=12)
-        ax.set_title(model, fontsize=14)
+        ax.set_xticklabels([LINK_NAMES.get(link, link) for link in links], fontsize=11)
+        ax.tick_params(axis='y', labelsize=11, which='both')
+        ax.set_ylabel('samples/s (median)', fontsize=11)
+        ax.set_title(MODEL_NAMES.get(model, model), fontsize=12)
         ax.grid(axis='y', alpha=0.3, which='both')
     for index in range(len(models), lines * columns):
         axes[index // columns][index % columns].axis('off')
-    figure.legend(loc='lower center', ncol=6, fontsize=11, frameon=False)
-    figure.suptitle('2 hosts (network namespaces), 1 rank x 1 thread each, batch 64\nbars: measured medians; '
-                    'black marks: the projection model, compute slowed as measured unshaped', fontsize=13)
-    figure.tight_layout(rect=(0, 0.09, 1, 0.95))
+    figure.legend(loc='outside lower center', ncol=3, fontsize=11, frameon=False)
+    figure.suptitle('2 hosts, 1 rank x 1 thread each, batch 64; bars: measured,\nblack marks: the projection '
+                    'model', fontsize=12)
     figure.savefig(path, dpi=100)
     plt.close(figure)
 

@@ -1,16 +1,24 @@
-"""The one multi-process helper of the test suite: real ranks over real gloo on loopback.
+"""The multi-process helpers of the test suite: real ranks over real gloo on loopback.
 
-Distilled from PyTorch's ``MultiProcessTestCase``: the port is chosen in the parent, every rank is
-a spawned process, the first failure stops the others and is re-raised with its rank, and a hard
-deadline kills every rank so a hang fails one test instead of stalling the suite.
+:func:`run_workers` is distilled from PyTorch's ``MultiProcessTestCase`` and shares no code with the
+package's own :func:`torchbearer_dist.launch`, so that a launcher bug fails the launcher's tests
+(tests/runtime/test_launch.py) instead of failing or masking every multi-rank test: the port is
+chosen in the parent, every rank is a spawned process that joins with ``torch.distributed`` itself,
+the first failure kills every rank and is re-raised with that rank's traceback, and a hard deadline
+kills every rank so a hang fails one test instead of stalling the suite.
 """
+import contextlib
+import ctypes
+import datetime
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
+from multiprocessing import connection, get_context
 
 import pytest
 
@@ -19,18 +27,149 @@ import torchbearer_dist
 #: Collective and rendezvous timeout inside tests, seconds: short, so faults end fast.
 PG_TIMEOUT = 10
 #: Seconds the library's fault path may add after a fault is noticed: a peer waits up to 3 s for the
-#: published cause, rank 0 up to 3 s more until the others have read it (see diagnosis.py).
+#: published cause, rank 0 up to 3 s more until the others have read it (see runtime/_diagnosis.py).
 CAUSE_WAIT = 6
 #: Seconds to start ranks that import torch, on a loaded 2-core machine.
 STARTUP = 30
 #: Hard bound on one multi-process test, seconds.
 DEADLINE = 60
+#: Whether soak tests (many repeats of one scenario) run: CI sets it in a step of its own.
+SOAK = os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1'
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, **launch_kwargs):
-    """Run module-level ``fn(*args)`` on ``world_size`` ranks; return each rank's result in rank order."""
+class WorkerFailed(RuntimeError):
+    """A rank of :func:`run_workers` raised; the message holds that rank's traceback."""
+
+    def __init__(self, rank, text):
+        super().__init__('rank {} failed:\n{}'.format(rank, text))
+        self.rank, self.text = rank, text
+
+
+def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, backend='gloo',
+                group='torch'):
+    """Run module-level ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return each rank's result in rank order.
+
+    Args:
+        fn: a module-level function (it is pickled by name under spawn)
+        world_size (int): how many ranks
+        timeout (float): the process group's collective timeout, seconds
+        deadline (float): seconds after which every rank is killed and the test fails
+        backend (str): ``'gloo'`` or ``'nccl'``
+        group (str): ``'torch'`` joins with :func:`torch.distributed.init_process_group` only, as a
+            user's own script would; ``'package'`` joins with :func:`torchbearer_dist.process_group`,
+            for tests of what the package's group adds (its timeouts, its environment)
+
+    Raises:
+        WorkerFailed: a rank raised (the first to report), with its traceback
+        AssertionError: a rank died without a report, or the deadline passed
+    """
+    context = get_context('spawn')
+    port = free_port()
+    pipes, processes = [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = context.Pipe(duplex=False)
+            process = context.Process(target=_rank_main, name='rank-{}'.format(rank), args=(
+                fn, rank, world_size, port, backend, timeout, group, args, kwargs or {}, child_end, os.getpid()))
+            process.start()
+            child_end.close()
+            pipes.append(parent_end)
+            processes.append(process)
+        return _collect(processes, pipes, deadline)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join()
+        for pipe in pipes:
+            pipe.close()
+
+
+def _collect(processes, pipes, deadline):
+    results, started = {}, time.monotonic()
+    while len(results) < len(processes):
+        for rank, pipe in enumerate(pipes):
+            if rank in results or not pipe.poll():
+                continue
+            try:
+                status, value = pickle.loads(pipe.recv_bytes())
+            except (EOFError, OSError):
+                continue  # the rank died; its exit code says so below
+            if status == 'error':
+                raise WorkerFailed(rank, value)
+            results[rank] = value
+        for rank, process in enumerate(processes):
+            if rank not in results and process.exitcode is not None and not pipes[rank].poll():
+                raise AssertionError('rank {} exited with status {} before reporting a result'.format(
+                    rank, process.exitcode))
+        if time.monotonic() - started > deadline:
+            raise AssertionError('ranks {} still running after the {:g} s deadline; killed every rank'.format(
+                [r for r in range(len(processes)) if r not in results], deadline))
+        connection.wait([p.sentinel for p in processes] + [p for r, p in enumerate(pipes) if r not in results],
+                        timeout=0.2)
+    return [results[rank] for rank in range(len(processes))]
+
+
+def _rank_main(fn, rank, world_size, port, backend, timeout, group, args, kwargs, conn, parent_pid):
+    try:  # die with pytest, even if it is SIGKILLed (Linux)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        if group == 'package':
+            with torchbearer_dist.process_group(rank=rank, world_size=world_size, host='127.0.0.1', port=port,
+                                                backend=backend, timeout=timeout):
+                result = fn(*args, **kwargs)
+        else:
+            dist.init_process_group(backend, init_method='tcp://127.0.0.1:{}'.format(port), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        message = ('ok', result)
+    except BaseException:
+        message = ('error', traceback.format_exc())
+    try:
+        payload = pickle.dumps(message)  # plain pickle copies tensors instead of sharing them
+    except Exception:
+        payload = pickle.dumps(('error', 'its result could not be pickled:\n' + traceback.format_exc()))
+    conn.send_bytes(payload)
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: torch may abort at exit with threads still alive
+
+
+@contextlib.contextmanager
+def world_of_one(timeout=PG_TIMEOUT):
+    """A real gloo process group of one rank in this process: unit tests of collectives, no processes.
+
+    Every collective of a world of one returns its input (a sum over one rank), so what a test sees
+    is the engine's own packing, scaling and unpacking around the collective.
+    """
+    import torch.distributed as dist
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, **launch_kwargs):
+    """Run ``fn`` through the package's own :func:`torchbearer_dist.launch`: for tests of launch itself."""
     return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, deadline=deadline,
                                    **launch_kwargs)
 

@@ -1,5 +1,6 @@
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -8,16 +9,26 @@ import torch.distributed as dist
 
 import torchbearer_dist
 
+# Test files live in one folder per layer (tests/sync/, tests/callbacks/, ...) and import the shared
+# helpers (_dist, _netns) from here; spawned ranks inherit this sys.path.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs CUDA; TORCHBEARER_DIST_TEST_GPU=1 turns the skip into a failure')
     config.addinivalue_line('markers', 'slow: a multi-process test of several seconds')
     config.addinivalue_line('markers', 'netns: builds Linux network namespaces; needs root')
-    config.addinivalue_line('markers', 'soak: random faults over every phase and launcher; runs only with '
-                                       'TORCHBEARER_DIST_TEST_SOAK=1')
+    config.addinivalue_line('markers', 'soak: random faults, or a racy scenario repeated many times; runs only with '
+                                       'TORCHBEARER_DIST_TEST_SOAK=1 (CI runs them in a step of their own)')
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get('TORCHBEARER_DIST_TEST_SOAK') != '1':
+        for item in items:
+            if 'soak' in item.keywords:
+                item.add_marker(pytest.mark.skip(reason='a soak test: set TORCHBEARER_DIST_TEST_SOAK=1'))
     if torch.cuda.is_available():
         return
     must = os.environ.get('TORCHBEARER_DIST_TEST_GPU') == '1'

@@ -2,8 +2,8 @@
 
 Runs with whichever torchbearer_dist comes first on PYTHONPATH, so the same numbers can be taken on main::
 
-    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/scripts python tests/scripts/metrics_vs_union.py
-    PYTHONPATH=/work/main:$PWD/tests:$PWD/tests/scripts python tests/scripts/metrics_vs_union.py
+    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/callbacks python tests/scripts/metrics_vs_union.py
+    PYTHONPATH=/work/main:$PWD/tests:$PWD/tests/callbacks python tests/scripts/metrics_vs_union.py
 """
 import torch
 from torch import nn

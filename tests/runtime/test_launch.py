@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import torchbearer_dist
 
-from _dist import run_workers
+from _dist import launch_workers
 
 
 def _worker_rank_and_sum():
@@ -29,17 +29,17 @@ def _worker_rank1_raises_in_collective_phase():
 
 
 def test_results_come_back_in_rank_order():
-    assert run_workers(_worker_rank_and_sum, world_size=3) == [(0, '3', 6.0), (1, '3', 6.0), (2, '3', 6.0)]
+    assert launch_workers(_worker_rank_and_sum, world_size=3) == [(0, '3', 6.0), (1, '3', 6.0), (2, '3', 6.0)]
 
 
 def test_failing_rank_is_named_even_when_another_rank_returned():
     with pytest.raises(KeyError, match='rank 1 failed'):
-        run_workers(_worker_rank1_raises_after_rank0_returned)
+        launch_workers(_worker_rank1_raises_after_rank0_returned)
 
 
 def test_root_cause_is_the_failing_rank_not_the_peer_it_broke():
     with pytest.raises(ValueError, match=r'^rank 1 failed: bad batch$') as info:
-        run_workers(_worker_rank1_raises_in_collective_phase)
+        launch_workers(_worker_rank1_raises_in_collective_phase)
     assert 'traceback of rank 1' in str(info.value.__cause__)
 
 

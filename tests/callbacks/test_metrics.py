@@ -220,7 +220,7 @@ def test_evaluate_on_one_rank_alone_says_it_is_a_collective(tmp_path):
     timeout = 3
     wait = 10 * timeout  # without the check-in's own timeout, rank 0 would wait as long as rank 1 does
     message, elapsed = run_workers(_worker_alone, 2, args=(str(tmp_path / 'done'), wait), timeout=timeout,
-                                   deadline=wait + 30)[0]
+                                   deadline=wait + 30, group='package')[0]
     assert '\n' not in message
     assert message.startswith('evaluate() is a collective that every rank must call, but not every rank joined '
                               'rank 0 within 3 s (')

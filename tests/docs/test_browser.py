@@ -3,7 +3,7 @@
 Each page is copied next to the build with a script appended that measures every ``pre`` (its
 ``scrollWidth`` against its ``clientWidth``: a block that scrolls sideways hides the end of its
 lines) and every table (its right edge against the article's), and writes the figures into the DOM
-that ``chromium --dump-dom`` prints. Run by hand, ``python tests/test_browser.py docs/_build/html``
+that ``chromium --dump-dom`` prints. Run by hand, ``python tests/docs/test_browser.py docs/_build/html``
 prints the figures and saves a screenshot of each page next to it.
 """
 import json
@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'troubleshooting', 'api')
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'troubleshooting',
+         'api/callbacks', 'api/process_group', 'api/data', 'api/checkpoints', 'api/engines')
 WIDTH, HEIGHT = 1366, 900
 #: Pixels a table may reach past the article: furo pads a table's box by 0.2 em for its shadow.
 TABLE_SLACK = 8
@@ -70,7 +71,7 @@ def _chromium_command(chromium, *args, height=HEIGHT):
 def measure(chromium, html_dir, page):
     """Render ``page`` of the build in ``html_dir`` and return its measurements (a dict)."""
     source = os.path.join(html_dir, page + '.html')
-    probe = os.path.abspath(os.path.join(html_dir, '_measure_{}.html'.format(page)))
+    probe = os.path.abspath(os.path.join(os.path.dirname(source), '_measure_{}'.format(os.path.basename(source))))
     with open(source) as f:
         text = f.read()
     with open(probe, 'w') as f:
@@ -111,19 +112,9 @@ def chromium():
     return path
 
 
-@pytest.fixture(scope='module')
-def built(tmp_path_factory):
-    from _dist import python, run_command
-    out = tmp_path_factory.mktemp('html')
-    result = run_command(python('-m', 'sphinx', '-q', '-b', 'html', os.path.join(ROOT, 'docs'), str(out)),
-                         timeout=180)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return str(out)
-
-
 @pytest.mark.parametrize('page', PAGES)
 def test_page_shows_no_error_and_its_blocks_fit_at_1366_px(page, chromium, built):
-    figures = measure(chromium, built, page)
+    figures = measure(chromium, str(built), page)
     assert figures['viewport'] == WIDTH
     assert figures['errors'] == []  # e.g. furo's red box over a `.. contents::` directive
     assert figures['pre'], 'no code blocks measured on {}'.format(page)
@@ -144,7 +135,7 @@ def main(html_dir):
                                                                            len(figures['table']), len(wide)))
         for line in wide:
             print('   ', line)
-        shot = os.path.join(html_dir, 'screenshot_{}.png'.format(page))
+        shot = os.path.join(html_dir, 'screenshot_{}.png'.format(page.replace('/', '_')))
         subprocess.run(_chromium_command(chromium, '--screenshot=' + shot, 'file://' + os.path.abspath(
             os.path.join(html_dir, page + '.html')), height=3 * HEIGHT), capture_output=True, timeout=RENDER_TIMEOUT)
     return 1 if failed else 0

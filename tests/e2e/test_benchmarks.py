@@ -104,3 +104,29 @@ def test_projection_buckets_like_ddp():
                                               (10, 128), (10,)], rank=4)
     # conv1 (32x9) and the biases travel whole; conv2 (64x288), fc1 (128x9216) and fc2 (10x128) as P and Q
     assert (dense, p, q) == (288 + 32 + 64 + 128 + 10, (64 + 128 + 10) * 4, (288 + 9216 + 128) * 4)
+
+
+def test_the_performance_plot_is_the_page_width_and_its_text_legible(tmp_path, monkeypatch):
+    """Regenerated from the quiet run as the performance page says: 720 px wide, the width of the page's
+    text column, so that its 11 pt text shows at about 15 px."""
+    import struct
+
+    import matplotlib.figure
+    import plot_multihost
+
+    sizes = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, *args, **kwargs):
+        sizes.extend(text.get_fontsize() for text in figure.findobj(matplotlib.text.Text) if text.get_text())
+        return real_savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', savefig)
+    rows = plot_multihost.read_rows(os.path.join(ROOT, 'benchmarks', 'results', 'multihost', 'quiet'))
+    plot_multihost.calibrate(rows)
+    plot_multihost.plot(str(tmp_path / 'plot.png'), rows, '')
+    with open(tmp_path / 'plot.png', 'rb') as f:
+        header = f.read(24)
+    assert header[:8] == b'\x89PNG\r\n\x1a\n'
+    assert struct.unpack('>I', header[16:20])[0] == 720
+    assert sizes and min(sizes) >= 11

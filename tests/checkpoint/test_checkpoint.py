@@ -1,7 +1,7 @@
 """Checkpoints (issue 4, item 9; issue 8, item 8): rank 0 alone touches the path, writes atomically; resume on
 another world size restores callbacks and schedulers too.
 
-The crash test runs this file as a script (``python tests/test_checkpoint.py --write PATH``): a writer
+The crash test runs this file as a script (``python tests/checkpoint/test_checkpoint.py --write PATH``): a writer
 saving checkpoints in a loop, killed with SIGKILL at random moments.
 """
 import argparse
@@ -24,6 +24,9 @@ from torchbearer.callbacks.torch_scheduler import TorchScheduler
 import torchbearer_dist as tbd
 from torchbearer_dist.checkpoint import files
 
+# tests/, for the shared helpers: pytest's conftest puts it on sys.path, but not a script run of this
+# file, nor the ranks that launch() spawns from one (they import it as __mp_main__).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ != '__main__':
     from _dist import ROOT, child_env, kill_session, run_workers
 
