@@ -128,3 +128,15 @@ def test_mpirun_across_hosts_with_an_address_resolves_without_mpi():
 def test_mpirun_on_one_host_keeps_loopback():
     env = resolve(backend='gloo', environ=_mpirun(OMPI_COMM_WORLD_LOCAL_SIZE='2'))
     assert (env.host, env.source) == ('127.0.0.1', 'openmpi')
+
+
+def test_only_a_port_that_answers_is_blamed_on_another_program():
+    import socket
+
+    from torchbearer_dist.runtime.launcher import free_port
+    from torchbearer_dist.runtime.rendezvous import _something_listens
+    with socket.socket() as listener:
+        listener.bind(('127.0.0.1', 0))
+        listener.listen(1)
+        assert _something_listens('127.0.0.1', listener.getsockname()[1])
+    assert not _something_listens('127.0.0.1', free_port())
