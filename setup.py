@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         'examples': ['torchvision>=0.16', 'mlxtend>=0.21'],
-        'test': ['pytest>=7', 'pytest-timeout>=2', 'ruff'],
+        'test': ['pytest>=7', 'pytest-timeout>=2', 'ruff', 'nbclient>=0.7', 'ipykernel>=6'],
         'docs': ['sphinx>=7', 'furo>=2024.1.29', 'sphinx-copybutton>=0.5'],
         'benchmarks': ['matplotlib>=3.5'],
     },
