@@ -63,9 +63,10 @@ def cluster(tmp_path):
 
 
 def _mpirun(hosts, script, *args, env=None, cwd=None):
+    subnet = hosts.address(0).rsplit('.', 1)[0] + '.0/24'  # each host has its own link name: name the subnet
     command = [MPIRUN, '-H', 'node1,node2', '-np', '2', '--mca', 'plm_rsh_agent', hosts.agent,
-               '--mca', 'btl', 'self,tcp', '--mca', 'btl_tcp_if_include', hosts.links[0] + ',' + hosts.links[1],
-               '--mca', 'oob_tcp_if_include', hosts.links[0] + ',' + hosts.links[1],
+               '--mca', 'btl', 'self,tcp', '--mca', 'btl_tcp_if_include', subnet,
+               '--mca', 'oob_tcp_if_include', subnet,
                '--bind-to', 'none', sys.executable, script, *args]
     inner = ' '.join("'{}'".format(part) for part in command)
     return run_command(hosts.command(0, ['unshare', '--uts', 'sh', '-c', 'hostname node1; exec ' + inner]),
