@@ -4,12 +4,14 @@ Children die with their parent (``PR_SET_PDEATHSIG``), so a killed launcher neve
 behind holding the port, and Ctrl-C stops every rank within a few seconds: the launcher owns its
 ranks' processes, so it turns on :func:`~torchbearer_dist.watch_interrupts` in each.
 """
+import collections
 import ctypes
 import os
 import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from multiprocessing import connection, get_context
@@ -113,11 +115,15 @@ def _stop(processes, grace):
             process.join()
 
 
-def _error_for(rank, report, exitcode):
+def _error_for(rank, report, exitcode, tail=()):
     if report is None:
         name = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
-        return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
+        last = [line for line in tail if line.strip()]
+        if not last:
+            return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
+        return RuntimeError('rank {} {} before reporting an error; its last lines on stderr: {}\n{}'.format(
+            rank, how, last[-1].strip(), '\n'.join('    ' + line for line in last)))
     _, line, text, error = report
     if isinstance(error, errors.PeerFailedError):
         pass  # its message names the rank at fault, and this one as "(rank R stopped)"
@@ -133,8 +139,79 @@ def _error_for(rank, report, exitcode):
     return error
 
 
+#: Lines of each rank's stderr kept for the error of a rank that dies before reporting.
+_TAIL_LINES = 20
+
+
+class _StderrTail:
+    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept.
+
+    A rank's file descriptor 2 is a pipe read here, so that a rank that dies before it can report
+    (a function a spawned rank cannot import, a crash in C++) still leaves its cause in the error,
+    and so that in Jupyter the ranks' output shows in the notebook rather than the kernel's terminal.
+    """
+
+    def __init__(self):
+        self.lines, self._threads = {}, []
+
+    def start(self, rank, process):
+        """Start ``process`` (rank ``rank``) with its stderr on a pipe read by a thread of this process."""
+        read_end, write_end = os.pipe()
+        saved = os.dup(2)
+        try:
+            os.dup2(write_end, 2)
+            process.start()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(write_end)
+        self.lines[rank] = collections.deque(maxlen=_TAIL_LINES)
+        thread = threading.Thread(target=self._pump, args=(read_end, self.lines[rank]),
+                                  name='torchbearer_dist-stderr{}'.format(rank), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @staticmethod
+    def _pump(read_end, lines):
+        with os.fdopen(read_end, 'rb') as pipe:
+            for raw in pipe:
+                line = raw.decode(errors='replace')
+                lines.append(line.rstrip('\n'))
+                try:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+
+    def drain(self, seconds=2.0):
+        """Wait up to ``seconds`` for the ranks' last output (a rank's own child may hold the pipe longer)."""
+        deadline = time.monotonic() + seconds
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def tail(self, rank):
+        """list: the last lines rank ``rank`` wrote to stderr."""
+        return list(self.lines.get(rank, ()))
+
+
+def _start_method(fn, start_method):
+    """``'spawn'``, or ``'fork'`` for a function of an interactive session (Jupyter) that spawn cannot import."""
+    if start_method not in (None, 'spawn', 'fork'):
+        raise ValueError("start_method should be 'spawn', 'fork' or None (chosen for fn), but given {!r}".format(
+            start_method))
+    if start_method is None:
+        main = sys.modules.get('__main__')
+        interactive = getattr(fn, '__module__', None) == '__main__' and not hasattr(main, '__file__')
+        start_method = 'fork' if interactive else 'spawn'
+    if start_method == 'fork' and torch.cuda.is_initialized():
+        raise RuntimeError('CUDA is already initialized in this process, and ranks forked from it cannot use it; '
+                           'restart the kernel and call launch() before anything touches CUDA, or define the '
+                           "function in a .py file and pass start_method='spawn'")
+    return start_method
+
+
 def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, backend=None, timeout=None,
-           deadline=None, grace=3.0, rendezvous_timeout=None):
+           deadline=None, grace=3.0, rendezvous_timeout=None, start_method=None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks, each inside an initialized process group.
 
     The port is picked in the parent. When a rank fails, the others are stopped and that rank's
@@ -155,7 +232,8 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
                 histories = torchbearer_dist.launch(worker, world_size=2, args=(5,))
 
     Args:
-        fn (callable): a module-level function (it is pickled to start each rank)
+        fn (callable): a module-level function (pickled to start each rank), or a function of a Jupyter
+            cell or other interactive session (the ranks are then forked, see ``start_method``)
         world_size (int): number of ranks to start, at least 1
         args (tuple): positional arguments for ``fn``
         kwargs (dict): keyword arguments for ``fn``
@@ -166,36 +244,42 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
         grace (float): seconds ranks get to exit after SIGTERM before SIGKILL
         rendezvous_timeout (float): seconds for the ranks to meet, and for a silent peer to end the job
+        start_method (str): ``'spawn'`` or ``'fork'``; by default ``'fork'`` for a function defined in an
+            interactive session (a Jupyter cell), which a spawned rank cannot import, else ``'spawn'``
 
     Returns:
         list: what ``fn`` returned on each rank, in rank order
 
     Raises:
-        ValueError: a bad ``world_size``
-        Exception: the first failing rank's error, its message starting ``rank R failed:``
+        ValueError: a bad ``world_size`` or ``start_method``
+        RuntimeError: ``'fork'`` where CUDA is already initialized in this process
+        Exception: the first failing rank's error, its message starting ``rank R failed:``; a rank that
+            died before it could report carries its last lines of stderr
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError('world_size should be an integer >= 1, but given {!r}'.format(world_size))
+    context = get_context(_start_method(fn, start_method))
     port = free_port(host) if port is None else port
-    context = get_context('spawn')
-    processes, pipes = [], []
+    processes, pipes, stderr = [], [], _StderrTail()
     try:
         for rank in range(world_size):
             parent_end, child_end = context.Pipe(duplex=False)
             process = context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=(
                 fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, child_end,
                 os.getpid()))
-            process.start()
+            stderr.start(rank, process)
             child_end.close()
             processes.append(process)
             pipes.append(parent_end)
         interrupts.training(True)  # a pre-emption signal here is forwarded to the ranks (see _supervise)
         try:
-            return _supervise(processes, pipes, deadline, grace, _last_rank_bound(timeout, rendezvous_timeout))
+            return _supervise(processes, pipes, deadline, grace, _last_rank_bound(timeout, rendezvous_timeout),
+                              stderr)
         finally:
             interrupts.training(False)
     finally:
         _stop(processes, grace)
+        stderr.drain()
 
 
 def _last_rank_bound(timeout, rendezvous_timeout):
@@ -235,7 +319,7 @@ class _Idle:
         return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
 
 
-def _supervise(processes, pipes, deadline, grace, last_rank_bound=None):
+def _supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=None):
     reports, results = {}, {}
     started = time.monotonic()
     failed_at = None
@@ -288,7 +372,9 @@ def _supervise(processes, pipes, deadline, grace, last_rank_bound=None):
     peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
     rank = (own + [r for r in died if reports.get(r) is None] + peer + [r for r in range(len(processes))
                                                                         if r not in results])[0]
-    raise _error_for(rank, reports.get(rank), processes[rank].exitcode)
+    if stderr is not None and reports.get(rank) is None:
+        stderr.drain()
+    raise _error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank) if stderr else ())
 
 
 def _peer_failure(report):

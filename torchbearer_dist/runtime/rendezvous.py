@@ -124,9 +124,14 @@ def _connect(host, port, timeout):
     seconds = timeout.total_seconds()
     if not done.is_set():
         _abandoned.append((done, 1))
+    if not done.is_set() and _something_listens(host, port):
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
-                           'store within {:g} s: another program holds that port; check --host and --port'.format(
-                               host, port, seconds))
+                           'store within {:g} s: another program holds that port; check --host and --port{}'.format(
+                               host, port, seconds, _port_holder(port) if is_loopback(host) else ''))
+    if not done.is_set():
+        raise RuntimeError('cannot reach the master at {}:{} within {:g} s (nothing listens there); check that rank 0 '
+                           'is running there, that --host and --port match it, and that no firewall is in the '
+                           'way'.format(host, port, seconds))
     raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running there, '
                        'that --host and --port match it, and that no firewall is in the way'.format(
                            host, port, seconds, str(result['error']).splitlines()[0])) from None
@@ -156,6 +161,15 @@ def _exit_before_a_connect_thread_returns():
         except Exception:
             pass
     os._exit(alive[-1][1])
+
+
+def _something_listens(host, port, seconds=2.0):
+    """Whether a program accepts TCP connections on ``host:port`` now: the proof needed to blame one."""
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
 
 
 def _namespace(environ):
