@@ -99,7 +99,7 @@ def _collect(processes, pipes, deadline):
             except (EOFError, OSError):
                 continue  # the rank died; its exit code says so below
             if status == 'error':
-                raise WorkerFailed(rank, value)
+                raise _root_failure(rank, value, pipes, processes)
             results[rank] = value
         for rank, process in enumerate(processes):
             if rank not in results and process.exitcode is not None and not pipes[rank].poll():
@@ -111,6 +111,29 @@ def _collect(processes, pipes, deadline):
         connection.wait([p.sentinel for p in processes] + [p for r, p in enumerate(pipes) if r not in results],
                         timeout=0.2)
     return [results[rank] for rank in range(len(processes))]
+
+
+#: What a rank reports when a peer died under it: the peer's own error is the root cause.
+_PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
+
+
+def _root_failure(rank, text, pipes, processes, wait=3.0):
+    """The first rank's error, unless it only says a peer went away: then that peer's own report, if it
+    comes within ``wait`` seconds (the peer may report a moment after its death reached this rank)."""
+    if not any(marker in text for marker in _PEER_GONE):
+        return WorkerFailed(rank, text)
+    until = time.monotonic() + wait
+    while time.monotonic() < until:
+        for other, pipe in enumerate(pipes):
+            if other != rank and pipe.poll():
+                try:
+                    status, value = pickle.loads(pipe.recv_bytes())
+                except (EOFError, OSError):
+                    continue
+                if status == 'error' and not any(marker in value for marker in _PEER_GONE):
+                    return WorkerFailed(other, value)
+        connection.wait([p for r, p in enumerate(pipes) if r != rank], timeout=0.1)
+    return WorkerFailed(rank, text)
 
 
 def _rank_main(fn, rank, world_size, port, backend, timeout, group, args, kwargs, conn, parent_pid):

@@ -73,13 +73,17 @@ def distributed_samplers(loader):
 
     Example: ::
 
-        >>> from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+        >>> from torch.utils.data import DataLoader, DistributedSampler
+        >>> from torch.utils.data import TensorDataset
         >>> from torchbearer_dist.data import distributed_samplers
         >>> data = TensorDataset(torch.randn(8, 2))
+        >>> def sharded():
+        ...     sampler = DistributedSampler(data, num_replicas=1, rank=0)
+        ...     return DataLoader(data, sampler=sampler)
         >>> class Zip:
         ...     def __init__(self, *loaders):
         ...         self.loaders = loaders
-        >>> zipped = Zip(*(DataLoader(data, sampler=DistributedSampler(data, 1, 0)) for _ in range(2)))
+        >>> zipped = Zip(sharded(), sharded())
         >>> len(distributed_samplers(zipped))
         2
 

@@ -50,10 +50,13 @@ class Checkpoint(Callback):
 
         .. code-block:: python
 
-            callbacks = [Checkpoint('run.pt', every_steps=500), *distributed_callbacks()]
+            keeper = Checkpoint('run.pt', every_steps=500)
+            callbacks = [keeper, *distributed_callbacks()]
             trial = Trial(model, optimizer, loss, callbacks=callbacks)
-            load_checkpoint('run.pt', trial=trial, missing_ok=True)  # every rank; only rank 0 reads it
-            trial.with_generators(train_loader).run(10)  # goes on from the last saved step
+            # every rank calls it; only rank 0 reads the file
+            load_checkpoint('run.pt', trial=trial, missing_ok=True)
+            # goes on from the last saved step
+            trial.with_generators(train_loader).run(10)
 
     Args:
         path (str): the checkpoint file, on rank 0's machine

@@ -104,8 +104,9 @@ def _picklable(error):
 def _stop(processes, grace):
     for process in processes:
         if process.is_alive():
-            # a stopped process cannot act on SIGTERM: no grace for it
-            process.kill() if _stat(process.pid)[0] in ('T', 't') else process.terminate()
+            # SIGKILL, not SIGTERM: a rank takes SIGTERM as a pre-emption (watch_preemption) and would go on
+            # to its next step boundary, which a rank blocked in a collective never reaches
+            process.kill()
     deadline = time.monotonic() + grace
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
