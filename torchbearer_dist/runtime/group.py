@@ -155,7 +155,8 @@ def _create(env, store, environ):
         dist.init_process_group(env.backend, store=group_store, rank=env.rank, world_size=env.world_size,
                                 timeout=connect_timeout)
         if connect_timeout != env.timeout:
-            dist.set_timeout(env.timeout)
+            # the group's own method: torch 2.13 has no dist.set_timeout (2.14's is a wrapper of it)
+            dist.group.WORLD.set_timeout(env.timeout)
     except RuntimeError as error:
         if 'connectFullMesh' not in str(error):
             raise
