@@ -166,8 +166,8 @@ def _restore_callbacks(trial, entries, position=None, rng=None):
             callback.load_state_dict(entry['state'])
         if entry['scheduler'] is not None:
             schedulers[i] = entry['scheduler']
-    from torchbearer_dist.checkpoint.callback import Checkpoint  # imported here: that module imports this one
-    keepers = [c for c in callbacks if isinstance(c, Checkpoint)]
+    # the Trial's Checkpoint callbacks, known by what they take (the callback module imports this one)
+    keepers = [c for c in callbacks if hasattr(c, 'pending_schedulers') and hasattr(c, 'pending_position')]
     for keeper in keepers:
         keeper.pending_schedulers = schedulers
         keeper.pending_position = (position, rng) if position is not None else None
