@@ -284,3 +284,20 @@ def free_port(host='127.0.0.1'):
 def snapshot(model):
     """A detached copy of ``model``'s parameters and buffers, to compare later."""
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def children(pid=None):
+    """The live (not zombie) child processes of ``pid`` (this process by default), from /proc."""
+    parent = str(os.getpid() if pid is None else pid)
+    found = []
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            with open('/proc/{}/stat'.format(entry)) as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+        except (OSError, IndexError):  # gone, or read empty while it exits
+            continue
+        if fields[1] == parent and fields[0] != 'Z':
+            found.append(int(entry))
+    return found

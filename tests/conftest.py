@@ -15,6 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from _dist import children  # noqa: E402 (tests/ on sys.path first)
+
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs CUDA; TORCHBEARER_DIST_TEST_GPU=1 turns the skip into a failure')
@@ -41,22 +43,6 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason='needs a CUDA device'))
 
 
-def _children():
-    me = str(os.getpid())
-    found = []
-    for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open('/proc/{}/stat'.format(entry)) as f:
-                fields = f.read().rsplit(')', 1)[1].split()
-        except (OSError, IndexError):  # gone, or read empty while it exits
-            continue
-        if fields[1] == me and fields[0] != 'Z':
-            found.append(int(entry))
-    return found
-
-
 def _signal_state():
     fd = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(fd)
@@ -76,15 +62,15 @@ def clean_process(monkeypatch):
     os.environ.clear()
     os.environ.update(saved)
     deadline = time.monotonic() + 5
-    while _live_children() and time.monotonic() < deadline:
+    while _livechildren() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _live_children()
+    left = _livechildren()
     assert not left, 'processes outlived the test: {}'.format({pid: _cmdline(pid) for pid in left})
 
 
-def _live_children():
+def _livechildren():
     """Children other than multiprocessing's resource tracker, which lives as long as pytest."""
-    return [pid for pid in _children() if 'resource_tracker' not in _cmdline(pid)]
+    return [pid for pid in children() if 'resource_tracker' not in _cmdline(pid)]
 
 
 def _cmdline(pid):

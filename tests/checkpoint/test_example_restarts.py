@@ -14,24 +14,10 @@ import time
 import pytest
 import torch
 
-from _dist import ROOT, child_env, kill_session, run_command
+from _dist import ROOT, child_env, children, kill_session, run_command
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 ARGS = ('--epochs', '2', '--threads', '1', '--batch-size', '64')
-
-
-def _children(pid):
-    found = []
-    for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open('/proc/{}/stat'.format(entry)) as f:
-                if f.read().rsplit(')', 1)[1].split()[1] == str(pid):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.slow
@@ -52,7 +38,7 @@ def test_the_example_resumes_by_itself_after_a_rank_is_killed_under_torchrun(tmp
         while not (checkpoints / 'mnist_mlp.ckpt').exists() and process.poll() is None:
             assert time.monotonic() < deadline, 'no checkpoint after 90 s'
             time.sleep(0.02)
-        workers = _children(process.pid)
+        workers = children(process.pid)
         assert workers, 'torchrun has no workers'
         os.kill(workers[-1], signal.SIGKILL)
         stdout, stderr = process.communicate(timeout=150)
