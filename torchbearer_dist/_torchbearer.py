@@ -13,13 +13,7 @@ fails on the pinned torchbearer if any of them moved.
 - ``TorchScheduler._scheduler``: the torch scheduler a checkpoint saves and restores.
 - ``CallbackListInjection.callback``: the printer or prediction collector that ``Trial.run``,
   ``evaluate`` and ``predict`` inject in front of the Trial's callbacks.
-- ``inject_printer``: those three build their printer from their ``verbose`` argument before any
-  callback's ``on_start``, so no public hook can stop it drawing; :func:`quiet_injected_printers`
-  makes one Trial instance pass ``verbose=0`` (its class and other Trials are untouched).
 """
-import functools
-import inspect
-
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 from torchbearer_dist._once import warn_once
@@ -102,32 +96,5 @@ def replace_injected(callbacks, callback):
     callbacks.callback = callback
 
 
-def _quiet(method):
-    """A Trial's ``run``, ``evaluate`` or ``predict`` that always passes ``verbose=0``: no progress bar is injected."""
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def quiet(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments['verbose'] = 0
-        return method(*bound.args, **bound.kwargs)
-
-    quiet.quiet = True
-    return quiet
-
-
-def quiet_injected_printers(trial):
-    """Make ``trial.run``, ``evaluate`` and ``predict`` inject no progress bar, whatever ``verbose`` they get."""
-    for name in ('run', 'evaluate', 'predict'):
-        method = getattr(trial, name, None)
-        if method is None or getattr(method, 'quiet', False):
-            continue
-        if 'verbose' not in inspect.signature(method).parameters:
-            _lost('a verbose argument of Trial.{}'.format(name),
-                  'ranks > 0 may draw the progress bars Trial.{} injects'.format(name))
-            continue
-        setattr(trial, name, _quiet(method))
-
-
 __all__ = ['CHECKPOINTER', 'checkpointer_types', 'gather_epoch_outputs', 'injected', 'mean_dim',
-           'quiet_injected_printers', 'replace_injected', 'torch_scheduler']
+           'replace_injected', 'torch_scheduler']

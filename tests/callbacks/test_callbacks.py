@@ -598,9 +598,10 @@ def _worker_late_group(path):
 def test_trial_built_before_the_process_group_is_broadcast_at_its_first_epoch(tmp_path):
     rank0, rank1 = run_workers(_worker_late_group, 2, args=(str(tmp_path / 'store'),))
     _assert_equal(rank0['params'], rank1['params'])
-    # The rank-0 output decision is made then too. Only the first line of the bar that run(verbose=1)
-    # injected may show on rank 1: torchbearer starts that printer before any callback's on_start.
+    # The rank-0 output decision is made then too. The bar that run injected for the Trial's verbose=1
+    # drew its 0% line on rank 1 before any callback's on_start: that line is erased.
     assert '1/1' not in rank1['err'] and '1/1' in rank0['err']
+    assert rank1['err'].rsplit('\r', 1)[-1].strip() == ''
 
 
 class _ShapeCheck(nn.Module):

@@ -75,21 +75,3 @@ def test_injected_printer_and_collector_and_the_scheduler_are_found():
         trial.predict(data_key=torchbearer.TRAIN_DATA, verbose=0)
     assert seen.injected == [Tqdm, Callback, AggregatePredictions]  # run's bar; predict's silent printer, collector
     assert isinstance(seen.scheduler, torch.optim.lr_scheduler.StepLR)
-
-
-def test_a_quieted_trial_injects_no_bar_and_other_trials_keep_theirs(capsys):
-    def trial():
-        model = nn.Linear(2, 1)
-        made = Trial(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), verbose=0)
-        return made.with_generators(train_generator=DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)),
-                                                               batch_size=2))
-
-    quiet, loud = trial(), trial()
-    _torchbearer.quiet_injected_printers(quiet)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')  # a Trial.run without verbose= would warn
-        _torchbearer.quiet_injected_printers(quiet)  # twice: wrapped once
-    quiet.run(1, verbose=2)
-    assert capsys.readouterr().err == ''
-    loud.run(1, verbose=2)
-    assert '0/1(t)' in capsys.readouterr().err

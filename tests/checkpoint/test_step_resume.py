@@ -143,8 +143,10 @@ def test_a_checkpoint_written_at_world_size_2_resumes_at_3_with_the_epoch_reshar
     assert all(torch.isfinite(v).all() for v in params.values())
 
 
-def test_kill_9_of_one_rank_under_torchrun_restarts_and_ends_as_uninterrupted(reference, tmp_path):
-    step = random.Random().randint(6, EPOCHS * STEPS_AT_2 - 2)  # after the first step checkpoint (step 4)
+@pytest.mark.parametrize('step', [12, 27], ids=['after-an-epoch-end', 'mid-epoch'])
+def test_kill_9_of_one_rank_under_torchrun_restarts_and_ends_as_uninterrupted(reference, tmp_path, step):
+    # Step 12 goes on from the checkpoint of epoch 1's end (step 10), written after the step one of step 8;
+    # step 27 from the step checkpoint of step 24.
     print('rank 1 kills itself at step', step)
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
                '--max-restarts', '2', '--monitor-interval', '0.2', JOB, '--dir', str(tmp_path), '--epochs', str(EPOCHS),

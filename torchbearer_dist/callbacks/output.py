@@ -38,10 +38,12 @@ def _silence(callbacks):
 class RankZeroOutput(Callback):
     """Print, log and save on global rank 0 only.
 
-    On the other ranks it turns off the Trial's progress bars, also those that ``run(verbose=1)``,
-    ``evaluate`` and ``predict`` inject, and silences the Trial's printers (Tqdm, ConsolePrinter),
-    CSVLogger and checkpointers. Because metrics are global, rank 0's
-    checkpoint decisions are every rank's, and all ranks carry on together.
+    On the other ranks it sets the Trial's ``verbose`` to 0, turns off the progress bar that a
+    ``verbose=`` given to ``run``, ``evaluate`` or ``predict`` injects (the per-epoch bar of
+    ``run(verbose=1)`` starts before any callback can act: its first line is erased at once; give
+    ``verbose`` to the Trial instead to have none), and
+    silences the Trial's printers (Tqdm, ConsolePrinter), CSVLogger and checkpointers. Because
+    metrics are global, rank 0's checkpoint decisions are every rank's, and all ranks carry on together.
 
     Example: ::
 
@@ -63,28 +65,28 @@ class RankZeroOutput(Callback):
         callbacks = state[torchbearer.CALLBACK_LIST]
         printer = _torchbearer.injected(callbacks)
         if isinstance(printer, _output_types()):
-            # The printer injected by run(verbose=...) when the group came up after the Trial was built:
-            # it drew its first line before this on_start; it draws nothing more, not even on close.
+            # The printer run, evaluate or predict injected for a verbose= passed to them. A per-batch
+            # bar starts later, in on_start_training or on_start_validation: it never draws. Only the
+            # per-epoch bar of run(verbose=1) drew, in its own on_start before this one (its first line,
+            # and after a resume the last epoch's metrics): that line is erased, and it draws no more.
             bar = getattr(printer, '_loader', None)
             if bar is not None:
-                bar.disable = True
+                bar.leave = False
+                bar.close()
             _torchbearer.replace_injected(callbacks, _Silent(printer))
 
     @staticmethod
     def _silence(state):
-        """Ranks > 0: turn off the Trial's printers and writers.
+        """Ranks > 0: turn off the Trial's printers and writers, through torchbearer's public switches.
 
-        torchbearer's own switch, ``Trial.verbose = 0``, covers the default progress bar. For the rest
-        torchbearer has no switch, so this is the one place that edits the Trial: a printer that
-        ``run(verbose=...)``, ``evaluate`` or ``predict`` inject starts before any callback's
-        ``on_start``, so those three are made to pass ``verbose=0``, and the output callbacks in the
-        list are replaced by inert stand-ins that keep their ``state_dict``.
+        ``Trial.verbose = 0`` is the verbosity that ``run``, ``evaluate`` and ``predict`` use unless
+        given their own ``verbose=``; the output callbacks in the list are replaced by inert stand-ins
+        that keep their ``state_dict``. Nothing of the Trial itself is replaced.
         """
         if collectives.rank() == 0:
             return
         trial = state[torchbearer.SELF]
         trial.verbose = 0
-        _torchbearer.quiet_injected_printers(trial)
         _silence(trial.state[torchbearer.CALLBACK_LIST])  # the Trial's own list, under any injection
 
 

@@ -27,9 +27,12 @@ class Checkpoint(Callback):
     """Save a crash-safe checkpoint every ``every`` epochs, and optionally every few steps, on global rank 0 only.
 
     The file is replaced atomically, so killing the job at any moment leaves the previous
-    checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too. Resume
-    with :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores
-    the schedulers once ``run()`` has rebuilt them, before the first epoch. At the start of training
+    checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too, and every
+    rank's RNG states (torch, numpy, python; one gather per checkpoint). Resume with
+    :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores the
+    schedulers once ``run()`` has rebuilt them, before the first epoch, and at the same world size
+    each rank's RNG states, so the next epoch draws the same dropout masks, augmentations and loader
+    seeds as a run never interrupted. At the start of training
     rank 0 checks that the directory of ``path`` exists, and every rank raises if it does not.
 
     With ``every_steps`` or ``every_seconds`` it also writes *step checkpoints* in the middle of an
@@ -100,6 +103,7 @@ class Checkpoint(Callback):
         self.every = every
         self.pending_schedulers = {}
         self.pending_position = None
+        self.pending_rng = None
         self._checked = False
         self._training = False
         self._reset_run()
@@ -150,6 +154,10 @@ class Checkpoint(Callback):
             if scheduler is not None:
                 scheduler.load_state_dict(scheduler_state)
         self.pending_schedulers = {}
+        rngs, self.pending_rng = self.pending_rng, None
+        if rngs is not None and len(rngs) == collectives.world_size():
+            # An epoch-end checkpoint: the RNGs as the original run left them for this epoch.
+            _midepoch.set_rng_state(rngs[collectives.rank()])
         pending = self.pending_position
         rngs = pending[1] if pending is not None and pending[0]['epoch'] == state[torchbearer.EPOCH] else None
         if rngs is not None and collectives.rank() < len(rngs) and rngs[collectives.rank()]['epoch_torch'] is not None:
@@ -213,10 +221,13 @@ class Checkpoint(Callback):
 
     def on_checkpoint(self, state):
         history = state[torchbearer.HISTORY]
-        if len(history) % self.every == 0 and collectives.rank() == 0:
+        if len(history) % self.every != 0:
+            return
+        rngs = _midepoch.gather_rng_states(None)  # every rank: the RNGs the next epoch starts from
+        if collectives.rank() == 0:
             _write_checkpoint(self.path, _payload(state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history,
-                                                  state[torchbearer.CALLBACK_LIST]), self.keep)
-            self._last_save = time.monotonic()
+                                                  state[torchbearer.CALLBACK_LIST], rng=rngs), self.keep)
+        self._last_save = time.monotonic()
 
     def _end_training(self):
         if self._training:

@@ -110,7 +110,7 @@ def save_checkpoint(path, model, optimizer=None, history=(), callbacks=None):
 
 
 def _payload(model, optimizer, history, callbacks, position=None, rng=None):
-    """What a checkpoint holds; ``position`` and ``rng`` only in a step checkpoint (see :class:`Checkpoint`)."""
+    """What a checkpoint holds: ``position`` in a step checkpoint, ``rng`` in any the Checkpoint callback writes."""
     return {
         'format': FORMAT,
         'model': unwrap(model).state_dict(),
@@ -171,6 +171,7 @@ def _restore_callbacks(trial, entries, position=None, rng=None):
     for keeper in keepers:
         keeper.pending_schedulers = schedulers
         keeper.pending_position = (position, rng) if position is not None else None
+        keeper.pending_rng = rng if position is None else None  # an epoch-end checkpoint's RNG states
     if position is not None and not keepers:
         warnings.warn('the checkpoint was written in the middle of epoch {} (after {} batches), which a Checkpoint '
                       'callback in the Trial resumes; the Trial has none, so that epoch starts again from its first '
@@ -214,8 +215,9 @@ def load_checkpoint(path, model=None, optimizer=None, trial=None, map_location='
 
     Returns:
         dict: the checkpoint: ``'model'``, ``'optimizer'``, ``'history'``, ``'callbacks'``, ``'world_size'``,
-        and for a step checkpoint ``'position'`` (``epoch``, ``batches`` done per rank, ``batch_size``,
-        ``world_size``) and ``'rng'`` (each rank's RNG states); None if ``missing_ok`` and there is no file
+        ``'rng'`` (each rank's RNG states, in a checkpoint of the :class:`Checkpoint` callback), and for a
+        step checkpoint ``'position'`` (``epoch``, ``batches`` done per rank, ``batch_size``,
+        ``world_size``); None if ``missing_ok`` and there is no file
 
     Raises:
         ValueError: ``path`` does not exist on rank 0 (raised on every rank)
