@@ -3,6 +3,8 @@
 Fails on the pinned torch if a torch upgrade moved them; the package then warns once at run time
 (``_gloo_sockets.LOST``) that a silent peer ends a job only at the process group's timeout.
 """
+import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -12,7 +14,7 @@ import pytest
 from torchbearer_dist.runtime import _gloo_sockets
 
 _SCRIPT = r'''
-import datetime, os, socket, warnings
+import datetime, os, socket, struct, warnings
 import torch.distributed as dist
 from torchbearer_dist.runtime import _gloo_sockets
 warnings.simplefilter('error')  # a LOST warning fails the run
@@ -22,17 +24,42 @@ dist.init_process_group('gloo', store=store, rank=0, world_size=1)
 raw = store.get('{}//cpu//0/0'.format(dist.group.WORLD.group_name))  # the key itself, before any parsing
 found = _gloo_sockets.endpoints(store, dist.group.WORLD.group_name, 0, 1)
 listening = [local for fd, inode, local, remote, listens in _gloo_sockets._sockets() if listens]
-print('KEY', len(raw), 'FOUND', found, 'LISTENING', listening, flush=True)
+print('KEY', len(raw), 'HOST', raw[8:8 + struct.unpack_from('<Q', raw)[0]], 'FOUND', found, 'LISTENING', listening,
+      flush=True)
 assert found is not None and found[0] in listening, (found, listening)
 dist.destroy_process_group()
 '''
 
+_UNSHARE = shutil.which('unshare')
+
+
+def _host_names():
+    """The machine's own host name, and two more whose lengths put gloo's address at other offsets."""
+    names = [pytest.param(None, id='own-host-name')]
+    reason = None
+    if _UNSHARE is None:
+        reason = 'needs unshare (util-linux) to run under another host name'
+    elif os.geteuid() != 0:
+        reason = 'needs root to run under another host name (unshare --uts)'
+    for name in ('node1', 'gpu-node-0017.cluster.example.org'):
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        names.append(pytest.param(name, id=name, marks=marks))
+    return names
+
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='the fallback reads /proc/self/fd: Linux only')
-def test_gloo_publishes_its_listening_address_where_the_fallback_reads_it():
-    done = subprocess.run([sys.executable, '-c', _SCRIPT], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize('host_name', _host_names())
+def test_gloo_publishes_its_listening_address_where_the_fallback_reads_it(host_name):
+    # The address follows the host name, so its offset depends on the host name's length: an odd
+    # length once hid it from a reader that assumed an even offset (srun on nodes named node1, node2).
+    command = [sys.executable, '-c', _SCRIPT]
+    if host_name is not None:
+        command = [_UNSHARE, '--uts', 'sh', '-c', 'hostname "$0" && exec "$@"', host_name] + command
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert 'FOUND [(' in done.stdout
+    if host_name is not None:
+        assert "HOST b'{}'".format(host_name) in done.stdout, done.stdout
 
 
 def test_a_layout_not_found_warns_once_naming_the_lost_guarantee():

@@ -21,7 +21,8 @@ all-reduce referenced from a traceback), and to wake this rank's own main thread
 finds a peer silent.
 
 gloo's sockets are identified positively, not by when they were opened: gloo publishes each rank's
-listening address in the store (``<group>//cpu//0/<rank>``, a ``sockaddr`` after a short header); a socket of
+listening address in the store (``<group>//cpu//0/<rank>``: the rank's host name and then its address, each
+after an 8-byte length, see :func:`published`); a socket of
 this process belongs to gloo exactly when its local address is this rank's published address (an
 accepted connection) or its remote address is another rank's (a connection this rank made). The
 store, and anything else the process has open (wandb, TensorBoard), never matches. The published
@@ -41,9 +42,9 @@ from torchbearer_dist._once import warn_once
 _AF_INET, _AF_INET6 = 2, 10
 
 LOST = ('torchbearer_dist: gloo\'s listening addresses were not found in the c10d store (key '
-        '"<group>//cpu//0/<rank>", a sockaddr after a short header) in this torch {}; a rank blocked in a '
-        'gloo collective now wakes only at the process group\'s timeout, not within seconds of a peer falling '
-        'silent')
+        '"<group>//cpu//0/<rank>", a host name and a sockaddr, each after its length) in this torch {}; a rank '
+        'blocked in a gloo collective now wakes only at the process group\'s timeout, not within seconds of a peer '
+        'falling silent')
 
 
 def _sockaddr(value, offset):
@@ -127,14 +128,37 @@ def endpoints(store, group_name, rank, world_size):
         values = [store.get('{}//cpu//0/{}'.format(group_name, other)) for other in range(world_size)]
     except Exception:
         return _lost()
+    found = [published(value) for value in values]
     listening = set(local for _, _, local, _, listens in _sockets() if listens)
-    # The sockaddr sits after a short header (at byte 18 in torch 2.14); take the first offset at
-    # which this rank's own value names a socket this process listens on, and read every rank there.
-    for offset in range(0, 64, 2):
-        if _sockaddr(values[rank], offset) in listening:
-            found = [_sockaddr(value, offset) for value in values]
-            return _lost() if None in found else found
-    return _lost()
+    if None in found or found[rank] not in listening:
+        return _lost()
+    return found
+
+
+def published(value):
+    """``(ip, port)`` of the listening address in one rank's value of ``<group>//cpu//0/<rank>``.
+
+    gloo writes the rank's host name and then its address, each after its length as an 8-byte
+    little-endian integer; the address starts with a ``sockaddr``. The host name's length varies
+    from machine to machine, so the address has no fixed offset (byte 18 after a host named ``vm``,
+    byte 21 after ``node1``).
+
+    Args:
+        value (bytes): what the store holds under the key
+
+    Returns:
+        tuple or None: ``(ip, port)``, or None when the value does not have that layout
+    """
+    value = bytes(value)
+    if len(value) < 8:
+        return None
+    name = struct.unpack_from('<Q', value, 0)[0]
+    if name > 1024 or len(value) < 8 + name + 8:
+        return None
+    address = struct.unpack_from('<Q', value, 8 + name)[0]
+    if address < 24 or len(value) < 8 + name + 8 + address:
+        return None
+    return _sockaddr(value, 8 + name + 8)
 
 
 def _lost():
