@@ -29,9 +29,10 @@ def pytest_configure(config):
 #: The files that take longest, started first: pytest-xdist hands out whole files in collection order,
 #: and one long file started last would leave a worker alone at the end. Measured on a quiet 2-core
 #: machine; everything else keeps its order.
-LONGEST_FIRST = ['runtime/test_faults.py', 'checkpoint/test_step_resume.py', 'e2e/test_example.py',
-                 'runtime/test_soak.py', 'e2e/test_benchmarks.py', 'checkpoint/test_example_restarts.py',
-                 'docs/test_docs.py', 'launchers/test_torchrun.py']
+LONGEST_FIRST = ['checkpoint/test_step_resume.py', 'runtime/test_faults.py', 'e2e/test_example.py',
+                 'runtime/test_soak.py', 'e2e/test_benchmarks.py', 'runtime/test_group_safety.py',
+                 'runtime/test_rendezvous_faults.py', 'runtime/test_interrupts.py',
+                 'checkpoint/test_example_restarts.py', 'docs/test_docs.py', 'launchers/test_torchrun.py']
 
 
 def _longest_first(item):

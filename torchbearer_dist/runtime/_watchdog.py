@@ -68,7 +68,7 @@ class Watchdog:
 
         A daemon thread still inside a torch call when the interpreter finalizes aborts the whole
         process as that call returns ("terminate called without an active exception", exit code
-        134: pytest itself aborted so when only :meth:`stop` waited, see tests/runtime/test_faults.py). The
+        134: pytest itself aborted so when only :meth:`stop` waited, see tests/runtime/test_group_safety.py). The
         wait is bounded by the store's own timeout: only a call to a silent host that never returns
         is left behind.
         """

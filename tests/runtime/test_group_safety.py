@@ -1,0 +1,238 @@
+"""What the process group guarantees in every job: safe defaults, two timeouts, the gloo fallback, clean exits.
+
+The store listens on the master address only; no pickle-based collective is ever called; a rank busy
+alone for longer than the rendezvous timeout is not mistaken for a silent one; a failing rank that
+still holds the group wakes its peers at once; gloo's connections are identified positively; a
+user's own script exits 0 every time, and a stopped heartbeat joins once its store call returns.
+"""
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, launch_workers
+from _fault_rank import RENDEZVOUS_TIMEOUT, TIMEOUT, _build_trial
+from _faults import (
+    _wait_all,
+)
+
+# --------------------------------------------------------------------------------------------------
+# 10. Security defaults.
+
+def _listening_addresses(port):
+    """Local addresses of the sockets listening on TCP ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table, width in (('/proc/net/tcp', 8), ('/proc/net/tcp6', 32)):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                address, hex_port = fields[1].split(':')
+                if fields[3] == '0A' and int(hex_port, 16) == port:
+                    raw = bytes.fromhex(address)
+                    if width == 8:
+                        found.append(socket.inet_ntop(socket.AF_INET, raw[::-1]))
+                    else:
+                        words = b''.join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                        found.append(socket.inet_ntop(socket.AF_INET6, words))
+    return found
+
+
+def _worker_listening():
+    return _listening_addresses(int(os.environ['MASTER_PORT']))
+
+
+def test_store_listens_on_the_master_address_only():
+    addresses = launch_workers(_worker_listening, 2, timeout=TIMEOUT)[0]
+    assert addresses == ['127.0.0.1'], 'the store listens on {}, not on 127.0.0.1 only'.format(addresses)
+
+
+OBJECT_COLLECTIVES = ('broadcast_object_list', 'all_gather_object', 'gather_object', 'scatter_object_list',
+                      'send_object_list', 'recv_object_list')
+
+
+def test_library_source_never_calls_object_collectives():
+    package = os.path.join(ROOT, 'torchbearer_dist')
+    for name in sorted(os.listdir(package)):
+        if name.endswith('.py'):
+            with open(os.path.join(package, name)) as f:
+                text = f.read()
+            for collective in OBJECT_COLLECTIVES:
+                assert collective not in text, '{} uses {}, which unpickles what peers send'.format(name, collective)
+
+
+def _worker_no_pickle(path):
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError('a pickle-based object collective was called')
+
+    for collective in OBJECT_COLLECTIVES:
+        setattr(dist, collective, refuse)
+        setattr(dist.distributed_c10d, collective, refuse)
+    import torchbearer
+
+    import torchbearer_dist as tbd
+    args = argparse.Namespace(fault='none', fault_rank=1, epoch=0, at=0, step_delay=0.0)
+    trial = _build_trial(args)
+    trial.state[torchbearer.CALLBACK_LIST].append([tbd.CheckReplicas(every=5), tbd.Checkpoint(path)])
+    return len(trial.run(1))
+
+
+@pytest.mark.slow
+def test_training_never_uses_object_collectives(tmp_path):
+    assert launch_workers(_worker_no_pickle, 2, args=(str(tmp_path / 'run.pt'),), timeout=TIMEOUT) == [1, 1]
+
+
+
+# --------------------------------------------------------------------------------------------------
+# 11. Two timeouts, the fallback, opt-in interrupts, no leaks (issue 11).
+
+def _worker_rank0_works_alone(seconds):
+    import torch
+    import torch.distributed as dist
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    started = time.monotonic()
+    if dist.get_rank() == 0:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:  # rank-0-only work in Python (a checkpoint, a slow first batch)
+            sum(range(10000))
+    dist.all_reduce(total)
+    return total.item(), time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_rank0_only_work_longer_than_the_rendezvous_timeout_does_not_end_the_job():
+    rendezvous_timeout, collective_timeout = 2, 40
+    pause = 3 * rendezvous_timeout  # the heartbeat goes on meanwhile; only the collective timeout could end it
+    results = launch_workers(_worker_rank0_works_alone, 2, args=(pause,), timeout=collective_timeout,
+                          rendezvous_timeout=rendezvous_timeout, deadline=STARTUP + pause + CAUSE_WAIT)
+    assert [total for total, _ in results] == [4.0, 4.0]
+    rank0_worked, rank1_waited = (waited for _, waited in results)
+    # rank 1's clock starts when its all_reduce returns, a little after rank 0's: not >= pause
+    assert rank0_worked >= pause and rank1_waited > 2 * rendezvous_timeout, results
+
+
+def _worker_fail_holding_a_work():
+    import torch
+    import torch.distributed as dist
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    work.wait()
+    if dist.get_rank() == 1:  # ``work`` stays referenced from the traceback: destroy_process_group alone
+        raise ValueError('fails holding a Work')  # would leave gloo's connections open (_gloo_sockets.py)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+    finally:
+        print('rank 0 blocked for {:.2f} s'.format(time.monotonic() - started), flush=True)
+
+
+@pytest.mark.slow
+def test_failing_rank_that_still_holds_the_group_stops_its_peers_at_once():
+    # The collective timeout is 60 s; the deadline fails the test long before it.
+    with pytest.raises(ValueError, match=r'^rank 1 failed: fails holding a Work$'):
+        launch_workers(_worker_fail_holding_a_work, 2, timeout=TIMEOUT, rendezvous_timeout=RENDEZVOUS_TIMEOUT,
+                    deadline=STARTUP + CAUSE_WAIT)
+
+
+def _worker_gloo_connections():
+    import torch
+    import torch.distributed as dist
+
+    from torchbearer_dist.runtime import _gloo_sockets, group
+    dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
+    listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    found = [fd for fd, _ in _gloo_sockets.connections(group._live['gloo'], dist.get_rank())]
+    foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
+    for sock in (accepted, client, listener):
+        sock.close()
+    return len(found), bool(foreign & set(found))
+
+
+def test_gloo_connections_are_identified_positively():
+    """Exactly one connection per peer, never the store's nor another library's."""
+    assert launch_workers(_worker_gloo_connections, 3, timeout=TIMEOUT) == [(2, False)] * 3
+
+
+USER_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+import torchbearer_dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+before = dict(os.environ)
+with torchbearer_dist.process_group(rank=rank, world_size=3, host='127.0.0.1', port=port, backend='gloo',
+                                    timeout=60, rendezvous_timeout=20):
+    total = torch.ones(1)
+    dist.all_reduce(total)
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+print('rank', rank, 'total', total.item())
+"""
+#: The same job from a script that never tears its group down and exits right after a collective.
+UNDESTROYED_SCRIPT = """
+import sys
+import torch, torch.distributed as dist
+import torchbearer_dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torchbearer_dist.init_process_group(rank=rank, world_size=3, host='127.0.0.1', port=port, timeout=60,
+                                    rendezvous_timeout=20)
+total = torch.ones(1)
+dist.all_reduce(total)
+print('rank', rank, 'total', total.item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('runs', [1, pytest.param(10, marks=pytest.mark.soak)], ids=['once', 'soak'])
+@pytest.mark.parametrize('script_text', [USER_SCRIPT, UNDESTROYED_SCRIPT], ids=['process_group', 'never_destroyed'])
+def test_a_users_own_script_exits_0_every_time(tmp_path, script_text, runs):
+    """torch 2.14 scripts may abort at exit ("terminate called without an active exception", 134): a
+    gloo worker or our heartbeat still inside torch when the interpreter finalizes (group.py).
+
+    The abort is a race: one run checks the path every time, ten (TORCHBEARER_DIST_TEST_SOAK=1) catch it.
+    """
+    script = tmp_path / 'user.py'
+    script.write_text(script_text)
+    runs = int(os.environ.get('TORCHBEARER_DIST_TEST_EXIT_RUNS', runs))
+    for run in range(runs):
+        port = free_port()
+        ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True, env=child_env())
+                 for r in range(3)]
+        _, results = _wait_all(ranks, STARTUP + 30)
+        outputs = [p.stdout.read() for p in ranks]
+        for rank, ((rc, err), out) in enumerate(zip(results, outputs)):
+            assert (rc, out) == (0, 'rank {} total 3.0\n'.format(rank)), 'run {} rank {}: {}'.format(run, rank, err)
+            assert 'terminate called' not in err, err
+
+
+def test_stopped_watchdog_joins_once_its_store_call_has_returned():
+    """A heartbeat thread left inside a torch store call aborts the process as the call returns at
+    exit ("terminate called without an active exception", exit 134: CI of stop 13, under mpirun).
+
+    Rank 1 of a job whose rank 0 never beats: its heartbeat thread blocks in ``multi_get`` for the
+    client's whole timeout, longer than the half-second wait of ``stop()``.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchbearer_dist.runtime._watchdog import Watchdog
+    from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
+
+    port = free_port()
+    server = dist.TCPStore('127.0.0.1', port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    client = dist.TCPStore('127.0.0.1', port, None, False, timedelta(seconds=2), wait_for_workers=False)
+    env = with_rendezvous_timeout(resolve(rank=1, world_size=2, host='127.0.0.1', port=port, environ={}), 60, {})
+    failures = []
+    watchdog = Watchdog(env, client, failures.append, interval=0.1).start()
+    time.sleep(0.5)  # the heartbeat thread is now waiting for rank 0's counter
+    watchdog.stop()  # a failing rank's short wait
+    watchdog.join()  # the wait at exit
+    assert (watchdog.running(), failures) == (False, [])
+    del server

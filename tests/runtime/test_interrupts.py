@@ -1,0 +1,137 @@
+"""Ctrl-C and killed launchers: every rank stops in bounded time, no process is left behind.
+
+Ranks are hand-started (``_fault_rank.py``) or started by :func:`torchbearer_dist.launch` from that
+script; the signal goes to a rank, to the launcher, or to the terminal's whole foreground group.
+Signal handling is opt-in: a process group alone leaves the program's handlers as they were.
+"""
+import os
+import signal
+import time
+
+import pytest
+
+from _dist import free_port
+from _faults import (
+    LAUNCH_STOP_BOUND,
+    STOP_BOUND,
+    _assert_gone,
+    _error_lines,
+    _kill_all,
+    _session_alive,
+    _start_launcher,
+    _start_rank,
+    _wait_all,
+    _wait_for_line,
+    _wait_for_ranks,
+)
+
+# --------------------------------------------------------------------------------------------------
+# 3. Interrupt and orphans.
+
+@pytest.mark.slow
+@pytest.mark.parametrize('interrupted', [0, 1])
+def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
+    port = free_port()
+    ranks = [_start_rank(r, port, '--fault', 'deadlock') for r in range(2)]
+    try:
+        for process in ranks:
+            _wait_for_line(process, 'ready', timeout=90)
+        time.sleep(0.5)  # inside recv
+        os.killpg(ranks[interrupted].pid, signal.SIGINT)  # Ctrl-C in that rank's terminal
+        said = {}
+        elapsed, results = _wait_all(ranks, STOP_BOUND + 5, said)
+        other = 1 - interrupted
+        print('Ctrl-C on rank {}: rank {} said its error after {:.2f} s, all ended in {:.2f} s: {}'.format(
+            interrupted, other, said.get(ranks[other], float('nan')), elapsed, [r[1] for r in results]))
+        assert elapsed < STOP_BOUND
+        # The watcher makes the collective fail; the main thread then raises KeyboardInterrupt and
+        # unwinds normally, so the script's own handler prints its line and exits 130.
+        assert results[interrupted] == (130, 'torchbearer_dist: rank {} interrupted inside a collective; stopping\n'
+                                             'error: interrupted\n'.format(interrupted)), results[interrupted]
+        assert results[other][0] == 1
+        assert _error_lines(results[other][1]) == [
+            'error: rank {} failed: KeyboardInterrupt: interrupted (SIGINT) (rank {} stopped)'.format(
+                interrupted, other)], results[other][1]
+        _assert_gone(ranks, port, within=0.5)
+    finally:
+        _kill_all(ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('target', ['group', 'launcher'])
+def test_ctrl_c_on_the_launcher_stops_every_rank(target):
+    port = free_port()
+    launcher = _start_launcher(port)
+    try:
+        _wait_for_ranks(launcher, 2)
+        assert len(_session_alive(launcher.pid)) >= 3
+        started = time.monotonic()
+        if target == 'group':
+            os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
+        else:
+            os.kill(launcher.pid, signal.SIGINT)
+        launcher.wait(LAUNCH_STOP_BOUND + 5)
+        while _session_alive(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+        print('Ctrl-C on the launcher ({}): all ended in {:.2f} s'.format(target, elapsed))
+        assert elapsed < LAUNCH_STOP_BOUND
+        assert launcher.returncode in (130, -signal.SIGINT), launcher.stderr.read()
+        _assert_gone([launcher], port, within=0.5)
+    finally:
+        _kill_all([launcher])
+
+
+@pytest.mark.slow
+def test_killed_launcher_leaves_no_rank_behind():
+    port = free_port()
+    launcher = _start_launcher(port)
+    try:
+        _wait_for_ranks(launcher, 2)
+        children = [pid for pid in _session_alive(launcher.pid) if pid != launcher.pid]
+        assert len(children) >= 2
+        started = time.monotonic()
+        launcher.kill()
+        launcher.wait(5)
+        while _session_alive(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+        print('SIGKILL of the launcher: children gone in {:.2f} s'.format(elapsed))
+        assert elapsed < LAUNCH_STOP_BOUND
+        _assert_gone([launcher], port, within=0.5)
+    finally:
+        _kill_all([launcher])
+
+
+
+def _wakeup_fd():
+    import signal
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+def test_process_group_leaves_signal_handling_alone_in_a_job_of_one():
+    import signal
+
+    import torchbearer_dist as tbd
+    handler, fd = signal.getsignal(signal.SIGINT), _wakeup_fd()
+    with tbd.process_group(rank=0, world_size=1, backend='gloo'):
+        assert (signal.getsignal(signal.SIGINT), _wakeup_fd()) == (handler, fd)
+    tbd.init_process_group(rank=0, world_size=1, backend='gloo')
+    assert (signal.getsignal(signal.SIGINT), _wakeup_fd()) == (handler, fd)
+    tbd.destroy_process_group()
+    assert (signal.getsignal(signal.SIGINT), _wakeup_fd()) == (handler, fd)
+
+
+def test_watch_interrupts_is_opt_in_and_undone():
+    import signal
+
+    import torchbearer_dist as tbd
+    handler, fd = signal.getsignal(signal.SIGINT), _wakeup_fd()
+    tbd.watch_interrupts()
+    try:
+        assert signal.getsignal(signal.SIGINT) is not handler and _wakeup_fd() != fd
+    finally:
+        tbd.unwatch_interrupts()
+    assert (signal.getsignal(signal.SIGINT), _wakeup_fd()) == (handler, fd)
