@@ -207,10 +207,17 @@ def world_of_one(timeout=PG_TIMEOUT):
         dist.destroy_process_group()
 
 
-def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, **launch_kwargs):
-    """Run ``fn`` through the package's own :func:`torchbearer_dist.launch`: for tests of launch itself."""
+def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE,
+                   start_method='forkserver', **launch_kwargs):
+    """Run ``fn`` through the package's own :func:`torchbearer_dist.launch`: for tests of launch itself.
+
+    The ranks fork from the forkserver of :func:`run_workers` (torch imported once) unless
+    ``start_method`` says otherwise; tests/runtime/test_launch.py runs launch's behaviour under spawn too.
+    """
+    if start_method == 'forkserver':
+        _context()  # the server imports PRELOAD, once
     return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, deadline=deadline,
-                                   **launch_kwargs)
+                                   start_method=start_method, **launch_kwargs)
 
 
 def run_in_step(scenarios):

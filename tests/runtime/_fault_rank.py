@@ -126,6 +126,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument('--rank', type=int, default=0)
     parser.add_argument('--launch', type=int, default=0)
+    parser.add_argument('--start-method', type=str, default=None)
     parser.add_argument('--torchrun', action='store_true')
     parser.add_argument('--world-size', type=int, default=2)
     parser.add_argument('--host', type=str, default='127.0.0.1')
@@ -151,7 +152,7 @@ def main(argv=None):
     if args.launch:
         try:
             tbd.launch(_launched_deadlock, args.launch, port=args.port, timeout=args.timeout,
-                       rendezvous_timeout=args.rendezvous_timeout)
+                       rendezvous_timeout=args.rendezvous_timeout, start_method=args.start_method)
         except KeyboardInterrupt:
             print('error: interrupted', file=sys.stderr, flush=True)
             sys.exit(130)

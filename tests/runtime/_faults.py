@@ -125,8 +125,10 @@ def _kill_all(processes):
 
 
 
-def _start_launcher(port):
+def _start_launcher(port, start_method=None):
     command = [sys.executable, HERE, '--launch', '2', '--port', str(port), '--timeout', str(TIMEOUT)]
+    if start_method is not None:
+        command += ['--start-method', start_method]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=child_env(TORCH_CPP_LOG_LEVEL='FATAL'), cwd=ROOT)
 

@@ -40,6 +40,7 @@ def test_a_function_of_an_interactive_session_runs_forked_and_spawn_failure_name
 
 
 def test_start_method_is_checked():
-    with pytest.raises(ValueError, match=r"start_method should be 'spawn', 'fork' or None .* but given 'forkserver'"):
-        _start_method(print, 'forkserver')
+    with pytest.raises(ValueError, match=r"^start_method should be 'spawn', 'fork', 'forkserver' or None \(chosen "
+                                         r"for fn\), but given 'thread'$"):
+        _start_method(print, 'thread')
     assert _start_method(_start_method, None) == 'spawn'  # a module's function: spawn imports it

@@ -83,9 +83,12 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(target):
 
 
 @pytest.mark.slow
-def test_killed_launcher_leaves_no_rank_behind():
+@pytest.mark.parametrize('start_method', ['spawn', 'forkserver'])
+def test_killed_launcher_leaves_no_rank_behind(start_method):
+    # A forkserver's ranks are children of the server, which outlives the launcher while they live:
+    # each rank watches the launcher itself (launcher._die_with_launcher).
     port = free_port()
-    launcher = _start_launcher(port)
+    launcher = _start_launcher(port, start_method)
     try:
         _wait_for_ranks(launcher, 2)
         children = [pid for pid in _session_alive(launcher.pid) if pid != launcher.pid]

@@ -1,5 +1,7 @@
-"""launch(): results in rank order, the failing rank's own error re-raised with its rank."""
+"""launch(): results in rank order, the failing rank's own error re-raised with its rank, under spawn and forkserver."""
 import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -28,19 +30,41 @@ def _worker_rank1_raises_in_collective_phase():
     dist.barrier()  # rank 0 waits here until rank 1's failure breaks the group
 
 
-def test_results_come_back_in_rank_order():
-    assert launch_workers(_worker_rank_and_sum, world_size=3) == [(0, '3', 6.0), (1, '3', 6.0), (2, '3', 6.0)]
+START_METHODS = pytest.mark.parametrize('start_method', ['spawn', 'forkserver'])
 
 
-def test_failing_rank_is_named_even_when_another_rank_returned():
+@START_METHODS
+def test_results_come_back_in_rank_order(start_method):
+    assert launch_workers(_worker_rank_and_sum, world_size=3, start_method=start_method) == [
+        (0, '3', 6.0), (1, '3', 6.0), (2, '3', 6.0)]
+
+
+@START_METHODS
+def test_failing_rank_is_named_even_when_another_rank_returned(start_method):
     with pytest.raises(KeyError, match='rank 1 failed'):
-        launch_workers(_worker_rank1_raises_after_rank0_returned)
+        launch_workers(_worker_rank1_raises_after_rank0_returned, start_method=start_method)
 
 
-def test_root_cause_is_the_failing_rank_not_the_peer_it_broke():
+@START_METHODS
+def test_root_cause_is_the_failing_rank_not_the_peer_it_broke(start_method):
     with pytest.raises(ValueError, match=r'^rank 1 failed: bad batch$') as info:
-        launch_workers(_worker_rank1_raises_in_collective_phase)
+        launch_workers(_worker_rank1_raises_in_collective_phase, start_method=start_method)
     assert 'traceback of rank 1' in str(info.value.__cause__)
+
+
+def _worker_rank1_dies_after_a_line_on_stderr():
+    if dist.get_rank() == 1:
+        print('rank 1 is about to crash in native code', file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+@START_METHODS
+def test_a_rank_that_dies_without_reporting_leaves_its_last_stderr_line(start_method):
+    # A forkserver's rank does not inherit the launcher's file descriptor 2: its pipe is an argument.
+    with pytest.raises(RuntimeError, match=r'^rank 1 was killed by SIGKILL before reporting an error; its last lines '
+                                           r'on stderr: rank 1 is about to crash in native code\n'):
+        launch_workers(_worker_rank1_dies_after_a_line_on_stderr, start_method=start_method, rendezvous_timeout=5)
 
 
 @pytest.mark.parametrize('world_size', [0, -1, 1.5, True, '2'])

@@ -8,6 +8,7 @@ import collections
 import ctypes
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -55,8 +56,36 @@ def die_with_parent(parent_pid):
         os._exit(1)
 
 
-def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, conn, parent_pid):
-    die_with_parent(parent_pid)
+def _die_with_launcher(launcher_pid):
+    """SIGKILL this process when process ``launcher_pid`` exits; exit now if it already has (Linux >= 5.3).
+
+    For a rank forked by multiprocessing's forkserver, whose parent is that server, not the launcher:
+    the server outlives the launcher while any of its children lives, so ``PR_SET_PDEATHSIG`` would
+    never fire. A daemon thread waits on a pidfd of the launcher instead.
+    """
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: the launcher's finally still cleans up
+        return
+
+    def watch():
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name='torchbearer_dist-launcher-watch', daemon=True).start()
+
+
+def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, conn, parent_pid,
+           stderr=None):
+    if stderr is None:
+        die_with_parent(parent_pid)
+    else:  # forked by the forkserver: this rank's stderr pipe came as an argument (see _StderrTail)
+        _die_with_launcher(parent_pid)
+        sys.stderr.flush()
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR=host, MASTER_PORT=str(port))
     if 'OMP_NUM_THREADS' not in os.environ:
@@ -153,19 +182,42 @@ class _StderrTail:
     """
 
     def __init__(self):
-        self.lines, self._threads = {}, []
+        self.lines, self._threads, self._pending = {}, [], {}
 
-    def start(self, rank, process):
-        """Start ``process`` (rank ``rank``) with its stderr on a pipe read by a thread of this process."""
+    def pipe(self):
+        """A new pipe for a forkserver rank: its write end as a Connection to pass to the rank."""
         read_end, write_end = os.pipe()
-        saved = os.dup(2)
-        try:
-            os.dup2(write_end, 2)
-            process.start()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            os.close(write_end)
+        self._pending[write_end] = read_end
+        return connection.Connection(write_end, readable=False)
+
+    def start(self, rank, process, write_end=None):
+        """Start ``process`` (rank ``rank``) with its stderr on a pipe read by a thread of this process.
+
+        Args:
+            rank (int): the rank
+            process (multiprocessing.Process): not started yet
+            write_end (multiprocessing.connection.Connection): for a forkserver rank, the pipe's write
+                end, already among the process's arguments (a forked server's child does not inherit
+                this process's file descriptor 2); by default the pipe is made here and is this
+                process's file descriptor 2 while the rank starts, so that even an error before the
+                rank's code runs (unpickling its function) is caught
+        """
+        if write_end is None:
+            read_end, write_end = os.pipe()
+            saved = os.dup(2)
+            try:
+                os.dup2(write_end, 2)
+                process.start()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                os.close(write_end)
+        else:
+            read_end = self._pending.pop(write_end.fileno())
+            try:
+                process.start()
+            finally:
+                write_end.close()
         self.lines[rank] = collections.deque(maxlen=_TAIL_LINES)
         thread = threading.Thread(target=self._pump, args=(read_end, self.lines[rank]),
                                   name='torchbearer_dist-stderr{}'.format(rank), daemon=True)
@@ -197,9 +249,9 @@ class _StderrTail:
 
 def _start_method(fn, start_method):
     """``'spawn'``, or ``'fork'`` for a function of an interactive session (Jupyter) that spawn cannot import."""
-    if start_method not in (None, 'spawn', 'fork'):
-        raise ValueError("start_method should be 'spawn', 'fork' or None (chosen for fn), but given {!r}".format(
-            start_method))
+    if start_method not in (None, 'spawn', 'fork', 'forkserver'):
+        raise ValueError("start_method should be 'spawn', 'fork', 'forkserver' or None (chosen for fn), but given "
+                         "{!r}".format(start_method))
     if start_method is None:
         main = sys.modules.get('__main__')
         interactive = getattr(fn, '__module__', None) == '__main__' and not hasattr(main, '__file__')
@@ -245,8 +297,13 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
         grace (float): seconds ranks get to exit after SIGTERM before SIGKILL
         rendezvous_timeout (float): seconds for the ranks to meet, and for a silent peer to end the job
-        start_method (str): ``'spawn'`` or ``'fork'``; by default ``'fork'`` for a function defined in an
-            interactive session (a Jupyter cell), which a spawned rank cannot import, else ``'spawn'``
+        start_method (str): ``'spawn'``, ``'fork'`` or ``'forkserver'``; by default ``'fork'`` for a function
+            defined in an interactive session (a Jupyter cell), which a spawned rank cannot import, else
+            ``'spawn'``. ``'forkserver'`` forks each rank from a server process started once per program,
+            which imports what :func:`multiprocessing.set_forkserver_preload` names (by default the main
+            module, and so what it imports, torch included): for a program that calls ``launch`` many times
+            (a sweep, a test suite), each later launch starts its ranks in milliseconds instead of
+            importing torch afresh in each
 
     Returns:
         list: what ``fn`` returned on each rank, in rank order
@@ -259,16 +316,18 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError('world_size should be an integer >= 1, but given {!r}'.format(world_size))
-    context = get_context(_start_method(fn, start_method))
+    method = _start_method(fn, start_method)
+    context = get_context(method)
     port = free_port(host) if port is None else port
     processes, pipes, stderr = [], [], _StderrTail()
     try:
         for rank in range(world_size):
             parent_end, child_end = context.Pipe(duplex=False)
+            write_end = stderr.pipe() if method == 'forkserver' else None  # a child of the server, not of us
             process = context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=(
                 fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, child_end,
-                os.getpid()))
-            stderr.start(rank, process)
+                os.getpid(), write_end))
+            stderr.start(rank, process, write_end)
             child_end.close()
             processes.append(process)
             pipes.append(parent_end)
