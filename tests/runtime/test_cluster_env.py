@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from torchbearer_dist.runtime import env as env_module
-from torchbearer_dist.runtime.env import _slurm_hostnames, _slurm_tasks_per_node, resolve
+from torchbearer_dist.runtime import _mpi
+from torchbearer_dist.runtime._slurm import hostnames, tasks_per_node
+from torchbearer_dist.runtime.env import resolve
 
 SCONTROL = shutil.which('scontrol')
 
@@ -47,24 +48,24 @@ def scontrol_hostnames(tmp_path_factory):
 
 @pytest.mark.parametrize('hostlist', HOSTLISTS)
 def test_host_lists_expand_exactly_as_scontrol_show_hostnames(hostlist, scontrol_hostnames):
-    assert _slurm_hostnames(hostlist) == scontrol_hostnames(hostlist)
+    assert hostnames(hostlist) == scontrol_hostnames(hostlist)
 
 
 def test_a_suffix_after_the_last_bracket_is_kept():
     # SLURM 22.05's scontrol rejects this form; newer releases write it for nodes named gpu1-ib, gpu2-ib.
-    assert _slurm_hostnames('gpu[1-2]-ib,cpu[01-02]') == ['gpu1-ib', 'gpu2-ib', 'cpu01', 'cpu02']
+    assert hostnames('gpu[1-2]-ib,cpu[01-02]') == ['gpu1-ib', 'gpu2-ib', 'cpu01', 'cpu02']
 
 
 @pytest.mark.parametrize('hostlist, bad', [('n[3-1]', "'3-1'"), ('n[a-b]', "'a-b'"), ('n[]', "''"),
                                            ('n[1-2', 'unbalanced')])
 def test_a_malformed_host_list_is_named(hostlist, bad):
     with pytest.raises(ValueError, match=r"SLURM host list '{}' .*{}".format(hostlist.replace('[', r'\['), bad)):
-        _slurm_hostnames(hostlist)
+        hostnames(hostlist)
 
 
 def test_tasks_per_node_expand():
-    assert _slurm_tasks_per_node('2(x3),1') == [2, 2, 2, 1]
-    assert _slurm_tasks_per_node('bad') == []
+    assert tasks_per_node('2(x3),1') == [2, 2, 2, 1]
+    assert tasks_per_node('bad') == []
 
 
 def _srun(**extra):
@@ -108,7 +109,7 @@ def _mpirun(**extra):
 
 
 def test_mpirun_across_hosts_without_an_address_or_mpi4py_names_the_fix(monkeypatch):
-    monkeypatch.setattr(env_module, '_mpi_address', lambda port: None)  # as where mpi4py is not installed
+    monkeypatch.setattr(_mpi, 'address', lambda port: None)  # as where mpi4py is not installed
     with pytest.raises(RuntimeError, match=r'^rank 0 of 2: mpirun started the job on several machines \(1 of its '
                                            r'ranks here\) and gives no address of rank 0; pass --host ADDR or set '
                                            r'MASTER_ADDR on every rank, e\.g\. mpirun -x MASTER_ADDR=ADDR .*mpi4py'):

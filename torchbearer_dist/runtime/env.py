@@ -4,13 +4,13 @@ Everything here is validated locally, before any socket is opened, so a bad valu
 under a second with a one-line :class:`ValueError` instead of a network timeout on some other
 machine.
 """
-import itertools
 import os
-import re
 import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+from torchbearer_dist.runtime import _mpi, _slurm
+from torchbearer_dist.runtime._variables import env_int as _env_int
 from torchbearer_dist.runtime.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
 
 #: Default bound on each collective, torch's own default for gloo: rank-0-only work between
@@ -69,17 +69,6 @@ class DistEnv:
     def meet_timeout(self):
         """datetime.timedelta: the rendezvous timeout, or ``timeout`` where none was set."""
         return self.timeout if self.rendezvous_timeout is None else self.rendezvous_timeout
-
-
-def _env_int(name, environ):
-    value = environ.get(name)
-    if value is None or value == '':
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError('Environment variable {} should be an integer, but given {!r}; '
-                         'fix or unset it'.format(name, value)) from None
 
 
 def _as_int(name, value, flag):
@@ -163,82 +152,6 @@ def _from_launcher(environ):
     return 'default', 0, 1, None
 
 
-#: Most names one bracket range of a SLURM host list may stand for (SLURM's own bound is 64k).
-_MAX_RANGE = 65536
-_HOSTLIST_ITEM = re.compile(r'((?:[^\[\],\s]|\[[^\[\]]*\])+)')
-
-
-def _expand_range(text, hostlist):
-    """The numbers of one bracket, e.g. ``'01-04,07'``, as strings zero-padded like ``scontrol``."""
-    numbers = []
-    for part in text.split(','):
-        low, dash, high = part.partition('-')
-        high = high if dash else low
-        if not (low.isdigit() and high.isdigit()) or int(high) < int(low) or \
-                int(high) - int(low) >= _MAX_RANGE:
-            raise ValueError('SLURM host list {!r} has an invalid range {!r}; expected e.g. node[01-04,07]'.format(
-                hostlist, part))
-        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-    return numbers
-
-
-def _slurm_hostnames(hostlist):
-    """Expand a SLURM host list such as ``'node[01-04,07],gpu[1-2]-ib'`` as ``scontrol show hostnames`` does.
-
-    Items are separated by commas or blanks outside brackets; a range keeps the width of its low
-    end (``[08-11]``: ``08 09 10 11``); duplicates and order are kept. A name with several bracket
-    groups expands in ``scontrol``'s order: the last group fastest, then the first, the second, ...
-    Text after the last bracket (``gpu[1-2]-ib``) is kept as a suffix, as newer SLURM releases do.
-
-    Args:
-        hostlist (str): the value of ``SLURM_STEP_NODELIST`` or ``SLURM_JOB_NODELIST``
-
-    Returns:
-        list: the host names, in order
-
-    Raises:
-        ValueError: a malformed list, naming it
-    """
-    names = []
-    for item in re.split(r'[,\s]+(?![^\[]*\])', hostlist.strip()):
-        if not item:
-            continue
-        pieces = re.split(r'\[([^\[\]]*)\]', item)  # text, range, text, range, ..., text
-        if any('[' in text or ']' in text for text in pieces[::2]) and '[' in item:
-            raise ValueError('SLURM host list {!r} has unbalanced brackets in {!r}'.format(hostlist, item))
-        texts, ranges = pieces[::2], [_expand_range(r, hostlist) for r in pieces[1::2]]
-        if not ranges:
-            names.append(item)
-            continue
-        order = list(range(len(ranges) - 2, -1, -1)) + [len(ranges) - 1]  # slowest first
-        for combination in itertools.product(*(ranges[i] for i in order)):
-            value = dict(zip(order, combination))
-            names.append(''.join(text + value.get(i, '') for i, text in enumerate(texts)))
-    return names
-
-
-def _slurm_address(environ):
-    """``(host, port, nodes)`` of a SLURM step: its first node, a port from the job id, its node count.
-
-    ``host`` is None for a step on one node (loopback serves it) and ``port`` None without a job id.
-    The port is ``15000 +`` the job id's last four digits, as PyTorch Lightning's SLURM environment.
-    """
-    nodes = _first_env_int(environ, 'SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
-    nodelist = next((environ[name] for name in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST')
-                     if environ.get(name)), None)
-    hosts = _slurm_hostnames(nodelist) if nodelist else []
-    if nodes is None:
-        nodes = len(set(hosts)) or None
-    host = hosts[0] if hosts and (nodes or 1) > 1 else None
-    job = environ.get('SLURM_JOB_ID', '')
-    port = 15000 + int(job[-4:]) if job.isdigit() else None
-    return host, port, nodes
-
-
-def _first_env_int(environ, *names):
-    return next((_env_int(name, environ) for name in names if environ.get(name)), None)
-
-
 #: Launchers' counts of the processes they started on this machine.
 _LOCAL_SIZES = {'openmpi': 'OMPI_COMM_WORLD_LOCAL_SIZE', 'pmi': 'MPI_LOCALNRANKS'}
 
@@ -252,26 +165,8 @@ def _local_world_size(source, world_size, environ):
     if source in _LOCAL_SIZES:
         return _env_int(_LOCAL_SIZES[source], environ)
     if source == 'slurm':
-        nodes = _slurm_address(environ)[2]
-        if nodes == 1:
-            return world_size
-        counts = _slurm_tasks_per_node(environ.get('SLURM_STEP_TASKS_PER_NODE') or
-                                       environ.get('SLURM_TASKS_PER_NODE') or '')
-        node = _env_int('SLURM_NODEID', environ)
-        if counts and node is not None and node < len(counts):
-            return counts[node]
+        return _slurm.local_world_size(world_size, environ)
     return None
-
-
-def _slurm_tasks_per_node(text):
-    """``'2(x3),1'`` -> ``[2, 2, 2, 1]``; ``[]`` for a value that does not parse."""
-    counts = []
-    for item in filter(None, text.split(',')):
-        match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', item.strip())
-        if match is None:
-            return []
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
 
 
 def _is_loopback(host):
@@ -305,75 +200,6 @@ def _check_not_loopback(env, given):
                            env.rank, env.world_size, how, env.local_world_size, _EXPORT[env.source],
                            ', or pip install mpi4py to have rank 0\'s address sent through MPI'
                            if env.source in ('openmpi', 'pmi') else ''))
-
-
-_mpi_cache = {}
-
-
-def _mpi_address(port):
-    """``(host, port)`` of rank 0 sent to every rank through MPI (mpi4py), or None without mpi4py.
-
-    Every rank gathers its IPv4 addresses to rank 0, which picks the one of its own that the kernel
-    routes to the first rank of another machine, and a free port there when ``port`` is None; a
-    broadcast hands both to every rank. A collective: every rank of the job must call it, once.
-    The answer is kept, so later calls in the same process return it without communicating.
-    """
-    if 'address' in _mpi_cache:
-        return _mpi_cache['address']
-    try:
-        from mpi4py import MPI
-    except (ImportError, OSError, RuntimeError):
-        return None
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() == 1:  # an mpi4py built for another MPI than the one that started us
-        return None
-    everyone = comm.gather(_own_addresses(), root=0)
-    answer = None
-    if comm.Get_rank() == 0:
-        host = _pick_address(everyone)
-        if port is None:
-            with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-        answer = (host, port)
-    answer = comm.bcast(answer, root=0)
-    _mpi_cache['address'] = answer
-    return answer
-
-
-def _own_addresses():
-    """This machine's IPv4 addresses other than loopback, one per interface."""
-    import fcntl
-    import struct
-    found = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(query.fileno(), 0x8915, struct.pack('256s', name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                continue
-            address = socket.inet_ntoa(packed[20:24])
-            if not address.startswith('127.'):
-                found.append(address)
-    return found
-
-
-def _pick_address(everyone):
-    """Rank 0's address that routes to the first rank of another machine (another set of addresses)."""
-    own = everyone[0]
-    for theirs in everyone[1:]:
-        if theirs == own:
-            continue
-        for address in theirs:
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                    probe.connect((address, 9))  # asks the kernel for the route; sends nothing
-                    source = probe.getsockname()[0]
-            except OSError:
-                continue
-            if source in own:
-                return source
-    return own[0] if own else socket.gethostname()
 
 
 def resolve(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
@@ -464,13 +290,13 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     if port is None:
         port = _env_int('MASTER_PORT', environ)
     if host is None and source == 'slurm':
-        slurm_host, slurm_port = _slurm_address(environ)[:2]
+        slurm_host, slurm_port = _slurm.master(environ)[:2]
         if slurm_host is not None:
             host, given = slurm_host, True
             port = slurm_port if port is None else port
     if host is None and source in _LOCAL_SIZES and local_world_size is not None and local_world_size < world_size \
             and init_method is None:
-        sent = _mpi_address(port)
+        sent = _mpi.address(port)
         if sent is not None:
             host, port, given = sent[0], sent[1], True
     if host is None:

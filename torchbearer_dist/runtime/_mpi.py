@@ -1,0 +1,74 @@
+"""MPI: rank 0's address and a free port sent to every rank through mpi4py, where it is installed.
+
+Private: what :func:`torchbearer_dist.runtime.env.resolve` asks of MPI for a job that mpirun or
+mpiexec started across machines with no address given.
+"""
+import socket
+
+_cache = {}
+
+
+def address(port):
+    """``(host, port)`` of rank 0 sent to every rank through MPI (mpi4py), or None without mpi4py.
+
+    Every rank gathers its IPv4 addresses to rank 0, which picks the one of its own that the kernel
+    routes to the first rank of another machine, and a free port there when ``port`` is None; a
+    broadcast hands both to every rank. A collective: every rank of the job must call it, once.
+    The answer is kept, so later calls in the same process return it without communicating.
+    """
+    if 'address' in _cache:
+        return _cache['address']
+    try:
+        from mpi4py import MPI
+    except (ImportError, OSError, RuntimeError):
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:  # an mpi4py built for another MPI than the one that started us
+        return None
+    everyone = comm.gather(_own_addresses(), root=0)
+    answer = None
+    if comm.Get_rank() == 0:
+        host = _pick_address(everyone)
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+        answer = (host, port)
+    answer = comm.bcast(answer, root=0)
+    _cache['address'] = answer
+    return answer
+
+
+def _own_addresses():
+    """This machine's IPv4 addresses other than loopback, one per interface."""
+    import fcntl
+    import struct
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(query.fileno(), 0x8915, struct.pack('256s', name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            address = socket.inet_ntoa(packed[20:24])
+            if not address.startswith('127.'):
+                found.append(address)
+    return found
+
+
+def _pick_address(everyone):
+    """Rank 0's address that routes to the first rank of another machine (another set of addresses)."""
+    own = everyone[0]
+    for theirs in everyone[1:]:
+        if theirs == own:
+            continue
+        for address in theirs:
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.connect((address, 9))  # asks the kernel for the route; sends nothing
+                    source = probe.getsockname()[0]
+            except OSError:
+                continue
+            if source in own:
+                return source
+    return own[0] if own else socket.gethostname()

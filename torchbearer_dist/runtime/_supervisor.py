@@ -1,0 +1,239 @@
+"""How :func:`~torchbearer_dist.launch` watches its ranks: results, the first failure, a frozen last rank.
+
+Private to the launcher: each rank's stderr passed on and its last lines kept; the loop that
+collects every rank's report, stops the others after the first failure, names the root cause
+rather than a peer it broke, and stops a rank left alone that uses no CPU (frozen).
+"""
+import collections
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing import connection
+
+from torchbearer_dist.runtime import errors, interrupts
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's traceback text as the ``__cause__`` of the error re-raised in the launcher."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+def receive(conn):
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def stop(processes, grace):
+    for process in processes:
+        if process.is_alive():
+            # SIGKILL, not SIGTERM: a rank takes SIGTERM as a pre-emption (watch_preemption) and would go on
+            # to its next step boundary, which a rank blocked in a collective never reaches
+            process.kill()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def error_for(rank, report, exitcode, tail=()):
+    if report is None:
+        name = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
+        how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
+        last = [line for line in tail if line.strip()]
+        if not last:
+            return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
+        return RuntimeError('rank {} {} before reporting an error; its last lines on stderr: {}\n{}'.format(
+            rank, how, last[-1].strip(), '\n'.join('    ' + line for line in last)))
+    _, line, text, error = report
+    if isinstance(error, errors.PeerFailedError):
+        pass  # its message names the rank at fault, and this one as "(rank R stopped)"
+    elif error is None:
+        error = RuntimeError(line)
+        if error.args and not str(error).startswith('rank '):
+            error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
+    elif len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
+    else:
+        error = RuntimeError('rank {} failed: {}'.format(rank, line))
+    error.__cause__ = RemoteTraceback('traceback of rank {}:\n{}'.format(rank, text))
+    return error
+
+
+#: Lines of each rank's stderr kept for the error of a rank that dies before reporting.
+_TAIL_LINES = 20
+
+
+class StderrTail:
+    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept.
+
+    A rank's file descriptor 2 is a pipe read here, so that a rank that dies before it can report
+    (a function a spawned rank cannot import, a crash in C++) still leaves its cause in the error,
+    and so that in Jupyter the ranks' output shows in the notebook rather than the kernel's terminal.
+    """
+
+    def __init__(self):
+        self.lines, self._threads, self._pending = {}, [], {}
+
+    def pipe(self):
+        """A new pipe for a forkserver rank: its write end as a Connection to pass to the rank."""
+        read_end, write_end = os.pipe()
+        self._pending[write_end] = read_end
+        return connection.Connection(write_end, readable=False)
+
+    def start(self, rank, process, write_end=None):
+        """Start ``process`` (rank ``rank``) with its stderr on a pipe read by a thread of this process.
+
+        Args:
+            rank (int): the rank
+            process (multiprocessing.Process): not started yet
+            write_end (multiprocessing.connection.Connection): for a forkserver rank, the pipe's write
+                end, already among the process's arguments (a forked server's child does not inherit
+                this process's file descriptor 2); by default the pipe is made here and is this
+                process's file descriptor 2 while the rank starts, so that even an error before the
+                rank's code runs (unpickling its function) is caught
+        """
+        if write_end is None:
+            read_end, write_end = os.pipe()
+            saved = os.dup(2)
+            try:
+                os.dup2(write_end, 2)
+                process.start()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                os.close(write_end)
+        else:
+            read_end = self._pending.pop(write_end.fileno())
+            try:
+                process.start()
+            finally:
+                write_end.close()
+        self.lines[rank] = collections.deque(maxlen=_TAIL_LINES)
+        thread = threading.Thread(target=self._pump, args=(read_end, self.lines[rank]),
+                                  name='torchbearer_dist-stderr{}'.format(rank), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @staticmethod
+    def _pump(read_end, lines):
+        with os.fdopen(read_end, 'rb') as pipe:
+            for raw in pipe:
+                line = raw.decode(errors='replace')
+                lines.append(line.rstrip('\n'))
+                try:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+
+    def drain(self, seconds=2.0):
+        """Wait up to ``seconds`` for the ranks' last output (a rank's own child may hold the pipe longer)."""
+        deadline = time.monotonic() + seconds
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def tail(self, rank):
+        """list: the last lines rank ``rank`` wrote to stderr."""
+        return list(self.lines.get(rank, ()))
+
+
+def _stat(pid):
+    """``(state, CPU seconds used so far by all its threads)`` of process ``pid``, or ``('', None)``."""
+    try:
+        with open('/proc/{}/stat'.format(pid)) as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError):
+        return '', None
+
+
+class _Idle:
+    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds.
+
+    A rank that goes on working once the others have ended (rank-0-only work) uses CPU time and is
+    left alone; one that is frozen (SIGSTOP) or stuck waiting for peers that have gone uses none.
+    """
+
+    def __init__(self, bound):
+        self.bound, self.marks = bound, {}
+
+    def stalled(self, rank, pid, now):
+        state, cpu = _stat(pid)
+        since, used = self.marks.setdefault(rank, (now, cpu))
+        if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
+            self.marks[rank] = (now, cpu)
+            return False
+        # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
+        return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
+
+
+def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=None):
+    reports, results = {}, {}
+    started = time.monotonic()
+    failed_at = None
+    forwarded = False
+    idle = _Idle(last_rank_bound)
+    while True:
+        if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
+            forwarded = True
+            for process in processes:
+                if process.exitcode is None:
+                    os.kill(process.pid, signal.SIGTERM)
+        for rank, pipe in enumerate(pipes):
+            if rank not in reports and pipe.poll():
+                reports[rank] = receive(pipe)
+        failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        failed += [r for r, rep in reports.items() if rep is not None and rep[0] == 'error' and r not in failed]
+        if failed and failed_at is None:
+            failed_at = time.monotonic()
+        running = [r for r, p in enumerate(processes) if p.exitcode is None]
+        if failed_at and all(_stat(processes[r].pid)[0] in ('T', 't') for r in running):
+            break  # the rest are stopped by a signal: they will not report
+        if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
+            break
+        if last_rank_bound is not None and not failed and len(running) < len(processes):
+            stalled = [r for r in running if idle.stalled(r, processes[r].pid, time.monotonic())]
+            if stalled:  # a stopped process first: the others may be waiting for it
+                stalled.sort(key=lambda r: _stat(processes[r].pid)[0] not in ('T', 't'))
+                raise RuntimeError('rank {} did not end within {:g} s of the other ranks, and used no CPU '
+                                   'meanwhile: it is frozen (stopped by a signal, or stuck in native code); '
+                                   'stopped it'.format(stalled[0], last_rank_bound))
+        if deadline is not None and time.monotonic() - started > deadline:
+            running = [r for r, p in enumerate(processes) if p.exitcode is None]
+            raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
+                running, deadline))
+        connection.wait([p.sentinel for p in processes] + pipes, timeout=0.1)
+    for rank, pipe in enumerate(pipes):
+        if rank not in reports and pipe.poll():
+            reports[rank] = receive(pipe)
+    for rank, report in reports.items():
+        if report is not None and report[0] == 'ok':
+            results[rank] = report[1]
+    if len(results) == len(processes):
+        return [results[r] for r in range(len(processes))]
+    died = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
+    if died and all(processes[r].exitcode == interrupts.EXIT_PREEMPTED for r in range(len(processes))
+                    if r not in results):
+        raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
+    stop(processes, grace)
+    own = [r for r, rep in sorted(reports.items()) if rep is not None and rep[0] == 'error' and not _peer_failure(rep)]
+    peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
+    rank = (own + [r for r in died if reports.get(r) is None] + peer + [r for r in range(len(processes))
+                                                                        if r not in results])[0]
+    if stderr is not None and reports.get(rank) is None:
+        stderr.drain()
+    raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank) if stderr else ())
+
+
+def _peer_failure(report):
+    return report is not None and report[0] == 'error' and report[1].startswith(errors.PeerFailedError.__name__)
