@@ -4,7 +4,8 @@ import warnings
 import torchbearer
 from torchbearer import Callback
 
-from torchbearer_dist.data import _samplers, check_same_data, describe_search, distributed_samplers
+from torchbearer_dist.data import check_same_data, describe_search, distributed_samplers
+from torchbearer_dist.data.loaders import _samplers
 from torchbearer_dist.sync import collectives
 
 
