@@ -167,10 +167,10 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         start_method (str): ``'spawn'``, ``'fork'`` or ``'forkserver'``; by default ``'fork'`` for a function
             defined in an interactive session (a Jupyter cell), which a spawned rank cannot import, else
             ``'spawn'``. ``'forkserver'`` forks each rank from a server process started once per program,
-            which imports what :func:`multiprocessing.set_forkserver_preload` names (by default the main
-            module, and so what it imports, torch included): for a program that calls ``launch`` many times
-            (a sweep, a test suite), each later launch starts its ranks in milliseconds instead of
-            importing torch afresh in each
+            which imports torchbearer_dist, and so torch and torchbearer, once (``launch`` sets
+            :func:`multiprocessing.set_forkserver_preload` to that before the server starts): for a program
+            that calls ``launch`` many times (a sweep, a test suite), each later launch starts its ranks
+            without importing torch afresh in each
 
     Returns:
         list: what ``fn`` returned on each rank, in rank order
@@ -185,6 +185,11 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         raise ValueError('world_size should be an integer >= 1, but given {!r}'.format(world_size))
     method = _start_method(fn, start_method)
     context = get_context(method)
+    if method == 'forkserver':
+        # what the server imports once, before it forks any rank (only before it starts: later calls change
+        # nothing). The default, '__main__', is never imported by the server of Python 3.11 (python/cpython
+        # issue 98552, fixed in later releases by gh-126631): each rank would import torch afresh.
+        context.set_forkserver_preload(['torchbearer_dist'])
     port = free_port(host) if port is None else port
     processes, pipes, stderr = [], [], _supervisor.StderrTail()
     try:
