@@ -211,11 +211,10 @@ def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, d
                    start_method='forkserver', **launch_kwargs):
     """Run ``fn`` through the package's own :func:`torchbearer_dist.launch`: for tests of launch itself.
 
-    The ranks fork from the forkserver of :func:`run_workers` (torch imported once) unless
-    ``start_method`` says otherwise; tests/runtime/test_launch.py runs launch's behaviour under spawn too.
+    The ranks fork from multiprocessing's forkserver, the server :func:`run_workers` uses too (torch
+    imported once), unless ``start_method`` says otherwise; tests/runtime/test_launch.py runs launch's
+    behaviour under spawn too.
     """
-    if start_method == 'forkserver':
-        _context()  # the server imports PRELOAD, once
     return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, deadline=deadline,
                                    start_method=start_method, **launch_kwargs)
 

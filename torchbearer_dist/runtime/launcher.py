@@ -1,8 +1,10 @@
 """Start N ranks on this machine and watch them: the first failure stops the rest and is re-raised.
 
-Children die with their parent (``PR_SET_PDEATHSIG``), so a killed launcher never leaves a rank
-behind holding the port, and Ctrl-C stops every rank within a few seconds: the launcher owns its
-ranks' processes, so it turns on :func:`~torchbearer_dist.watch_interrupts` in each.
+Children die with their parent (``PR_SET_PDEATHSIG``; ranks of a forkserver, whose parent is the
+server, watch the launcher's pidfd), so a killed launcher never leaves a rank behind holding the
+port, and Ctrl-C stops every rank within a few seconds: the launcher owns its ranks' processes, so
+it turns on :func:`~torchbearer_dist.watch_interrupts` in each. How it watches them is
+:mod:`torchbearer_dist.runtime._supervisor`.
 """
 import ctypes
 import os
@@ -219,5 +221,3 @@ def _last_rank_bound(timeout, rendezvous_timeout):
     env = resolve(rank=0, world_size=1, timeout=timeout, environ={})
     # and time for the ranks' own heartbeat to name a frozen peer first: two beats and a second
     return with_rendezvous_timeout(env, rendezvous_timeout, os.environ).meet_timeout.total_seconds() + 3.0
-
-
