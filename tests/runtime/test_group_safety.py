@@ -143,12 +143,12 @@ def _worker_gloo_connections():
     import torch
     import torch.distributed as dist
 
-    from torchbearer_dist.runtime import _gloo_sockets, group
+    from torchbearer_dist.runtime import _gloo_sockets, _teardown
     dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
-    found = [fd for fd, _ in _gloo_sockets.connections(group._live['gloo'], dist.get_rank())]
+    found = [fd for fd, _ in _gloo_sockets.connections(_teardown.live['gloo'], dist.get_rank())]
     foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
     for sock in (accepted, client, listener):
         sock.close()
@@ -192,7 +192,7 @@ print('rank', rank, 'total', total.item())
 @pytest.mark.parametrize('script_text', [USER_SCRIPT, UNDESTROYED_SCRIPT], ids=['process_group', 'never_destroyed'])
 def test_a_users_own_script_exits_0_every_time(tmp_path, script_text, runs):
     """torch 2.14 scripts may abort at exit ("terminate called without an active exception", 134): a
-    gloo worker or our heartbeat still inside torch when the interpreter finalizes (group.py).
+    gloo worker or our heartbeat still inside torch when the interpreter finalizes (runtime/_teardown.py).
 
     The abort is a race: one run checks the path every time, ten (TORCHBEARER_DIST_TEST_SOAK=1) catch it.
     """

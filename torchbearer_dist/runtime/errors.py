@@ -1,5 +1,7 @@
-"""The exception a rank raises when another rank failed first, and the one of a pre-empted rank."""
-
+"""The exception a rank raises when another rank failed first, and the one of a pre-empted rank; the one
+line an uncaught :class:`PeerFailedError` prints instead of its traceback."""
+import os
+import sys
 
 
 class PeerFailedError(RuntimeError):
@@ -40,3 +42,31 @@ class Preempted(SystemExit):
 
     def __str__(self):
         return self.message
+
+
+#: Set to ``1`` to see the whole traceback of a :class:`~torchbearer_dist.PeerFailedError` nobody caught.
+TRACEBACK_VARIABLE = 'TORCHBEARER_DIST_TRACEBACK'
+
+
+def _quiet_traceback():
+    """Make an uncaught :class:`~torchbearer_dist.PeerFailedError` print its one line, not a traceback.
+
+    Its traceback shows only where this rank was when a peer failed (40 to 60 lines of torchbearer
+    and torch); the line names the rank at fault and its error. Every other exception, the user's
+    own included, reaches the previous ``sys.excepthook`` untouched; ``TORCHBEARER_DIST_TRACEBACK=1``
+    shows the whole traceback.
+    """
+    if getattr(sys.excepthook, '_torchbearer_dist', False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, PeerFailedError) and os.environ.get(TRACEBACK_VARIABLE) != '1':
+            sys.stderr.write('{}: {} (set {}=1 for the traceback)\n'.format(kind.__name__, value,
+                                                                           TRACEBACK_VARIABLE))
+            sys.stderr.flush()
+            return
+        previous(kind, value, traceback)
+
+    excepthook._torchbearer_dist = True
+    sys.excepthook = excepthook

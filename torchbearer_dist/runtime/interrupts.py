@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, group
+from torchbearer_dist.runtime import _diagnosis, _teardown
 from torchbearer_dist.runtime.env import current_env, current_store
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
@@ -89,7 +89,7 @@ def _wait_for_interrupt(read_fd, write_fd, grace):
         if env is not None and env.world_size > 1:
             _diagnosis.publish(store, _diagnosis.Cause(env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
                                                      'interrupted (SIGINT)'))
-            group.interrupt_collectives(env)
+            _teardown.interrupt_collectives(env)
         time.sleep(grace)
         if _watch['fds'] == (read_fd, write_fd) and _watch['handled'] == handled:
             os._exit(130)

@@ -1,7 +1,8 @@
-"""Meeting the other processes: the rendezvous store, a handshake, and the route to the master.
+"""Meeting the other processes: the rendezvous store and a handshake.
 
-The process group's life (init, teardown) is in :mod:`torchbearer_dist.runtime.group`. The store is created
-here rather than by :func:`torch.distributed.init_process_group` so that:
+The process group's life (init, teardown) is in :mod:`torchbearer_dist.runtime.group`, the route to the
+master (the interface gloo connects through) in :mod:`torchbearer_dist.runtime.network`. The store is
+created here rather than by :func:`torch.distributed.init_process_group` so that:
 
 - rank 0 binds the socket itself, on the master address only (torch listens on every interface),
   and a taken port fails at once, naming the port;
@@ -12,10 +13,8 @@ here rather than by :func:`torch.distributed.init_process_group` so that:
 """
 import atexit
 import errno
-import fcntl
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _diagnosis, _peers
+from torchbearer_dist.runtime import _diagnosis, _peers, network
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
@@ -127,7 +126,7 @@ def _connect(host, port, timeout):
     if not done.is_set() and _something_listens(host, port):
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port{}'.format(
-                               host, port, seconds, _port_holder(port) if is_loopback(host) else ''))
+                               host, port, seconds, _port_holder(port) if network.is_loopback(host) else ''))
     if not done.is_set():
         raise RuntimeError('cannot reach the master at {}:{} within {:g} s (nothing listens there); check that rank 0 '
                            'is running there, that --host and --port match it, and that no firewall is in the '
@@ -150,7 +149,8 @@ def _exit_before_a_connect_thread_returns():
     while connecting), and it may retry for the whole rendezvous timeout, or never return from a
     silent listener. Exit handlers run before finalization: flush, and exit with the status the
     abandoning error calls for, 130 after Ctrl-C, 1 otherwise. Registered at import, before
-    :mod:`torchbearer_dist.runtime.group`'s teardown, so that it runs after it.
+    the teardown of :mod:`torchbearer_dist.runtime._teardown` (which imports this module), so that it
+    runs after it.
     """
     alive = [(done, status) for done, status in _abandoned if not done.is_set()]
     if not alive:
@@ -279,65 +279,3 @@ def _poll(store, key, seconds):
     deadline = time.monotonic() + seconds
     while not store.check([key]) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def is_loopback(host):
-    """Whether ``host`` resolves to this machine's loopback interface.
-
-    Args:
-        host (str): an address or name
-
-    Returns:
-        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
-    """
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except socket.gaierror:
-        return False
-    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
-
-
-def route_interface(host, port=29500):
-    """Name the network interface this machine uses to reach ``host``.
-
-    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
-    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
-    asks the kernel for the route; no packet is sent.
-
-    Args:
-        host (str): address of rank 0
-        port (int): any port; only the route matters
-
-    Returns:
-        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
-    """
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
-        if family != socket.AF_INET:
-            return None
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            local_ip = probe.getsockname()[0]
-    except OSError:
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == local_ip:
-                return name
-    return None
-
-
-def gloo_interface(env, environ):
-    """The interface gloo should use, when ``GLOO_SOCKET_IFNAME`` is unset and several ranks must meet.
-
-    Returns:
-        str or None: ``'lo'`` for a loopback master, the route's interface, or None to leave gloo's choice
-    """
-    if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1 or env.backend != 'gloo':
-        return None
-    return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)

@@ -1,0 +1,72 @@
+"""The route to the master: whether an address is this machine's loopback, and which interface gloo uses.
+
+gloo connects its ranks through one network interface of each machine. Left to itself it takes the
+one its host name resolves to, often loopback, and a job across machines hangs or fails (pytorch issue
+42879): :mod:`~torchbearer_dist.runtime.group` sets ``GLOO_SOCKET_IFNAME`` from :func:`gloo_interface`
+while the group is created.
+"""
+import fcntl
+import socket
+import struct
+
+
+def is_loopback(host):
+    """Whether ``host`` resolves to this machine's loopback interface.
+
+    Args:
+        host (str): an address or name
+
+    Returns:
+        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
+    """
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
+
+
+def route_interface(host, port=29500):
+    """Name the network interface this machine uses to reach ``host``.
+
+    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
+    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
+    asks the kernel for the route; no packet is sent.
+
+    Args:
+        host (str): address of rank 0
+        port (int): any port; only the route matters
+
+    Returns:
+        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
+        if family != socket.AF_INET:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            local_ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == local_ip:
+                return name
+    return None
+
+
+def gloo_interface(env, environ):
+    """The interface gloo should use, when ``GLOO_SOCKET_IFNAME`` is unset and several ranks must meet.
+
+    Returns:
+        str or None: ``'lo'`` for a loopback master, the route's interface, or None to leave gloo's choice
+    """
+    if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1 or env.backend != 'gloo':
+        return None
+    return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)
