@@ -5,11 +5,10 @@ under a second with a one-line :class:`ValueError` instead of a network timeout 
 machine.
 """
 import os
-import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from torchbearer_dist.runtime import _mpi, _slurm
+from torchbearer_dist.runtime import _mpi, _slurm, network
 from torchbearer_dist.runtime._variables import env_int as _env_int
 from torchbearer_dist.runtime.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
 
@@ -169,14 +168,6 @@ def _local_world_size(source, world_size, environ):
     return None
 
 
-def _is_loopback(host):
-    try:
-        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return False
-    return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
-
-
 #: The launcher's own way to hand every rank ``MASTER_ADDR``, for the error of a job with no address.
 _EXPORT = {'openmpi': 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=29500 ...',
            'pmi': 'mpiexec -genv MASTER_ADDR ADDR ...',
@@ -187,7 +178,7 @@ def _check_not_loopback(env, given):
     """Fail at once where a job spans machines but its ranks would meet at a loopback address."""
     if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None:
         return
-    if not _is_loopback(env.host):
+    if not network.is_loopback(env.host):
         return
     how = {'openmpi': 'mpirun', 'pmi': 'mpiexec', 'slurm': 'srun'}.get(env.source, env.source)
     if given:

@@ -170,7 +170,7 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
             defined in an interactive session (a Jupyter cell), which a spawned rank cannot import, else
             ``'spawn'``. ``'forkserver'`` forks each rank from a server process started once per program,
             which imports torchbearer_dist, and so torch and torchbearer, once (``launch`` sets
-            :func:`multiprocessing.set_forkserver_preload` to that before the server starts): for a program
+            ``multiprocessing.set_forkserver_preload`` to that before the server starts): for a program
             that calls ``launch`` many times (a sweep, a test suite), each later launch starts its ranks
             without importing torch afresh in each
 

@@ -20,8 +20,8 @@ def is_loopback(host):
         bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
     """
     try:
-        infos = socket.getaddrinfo(host, None)
-    except socket.gaierror:
+        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):  # UnicodeError: a name idna cannot encode (a label over 63 chars)
         return False
     return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
 
