@@ -253,8 +253,14 @@ def scenario_values(per_rank, name):
 
 
 def child_env(**extra):
-    """Environment for a subprocess: one thread per rank and the package importable from the checkout."""
+    """Environment for a subprocess: one thread per rank and the package importable from the checkout.
+
+    ``PYTHONDONTWRITEBYTECODE`` is dropped: where the machine sets it, every one of the suite's several
+    hundred processes compiled the package and the test helpers afresh (0.1 CPU-s each, measured);
+    their bytecode now goes to ``__pycache__`` folders, which git ignores.
+    """
     env = dict(os.environ)
+    env.pop('PYTHONDONTWRITEBYTECODE', None)
     env.update(OMP_NUM_THREADS='1', PYTHONPATH=ROOT + os.pathsep + env.get('PYTHONPATH', ''))
     env.update({k: str(v) for k, v in extra.items()})
     return env
