@@ -5,6 +5,8 @@ mpiexec started across machines with no address given.
 """
 import socket
 
+from torchbearer_dist.runtime import network
+
 _cache = {}
 
 
@@ -41,19 +43,7 @@ def address(port):
 
 def _own_addresses():
     """This machine's IPv4 addresses other than loopback, one per interface."""
-    import fcntl
-    import struct
-    found = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(query.fileno(), 0x8915, struct.pack('256s', name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                continue
-            address = socket.inet_ntoa(packed[20:24])
-            if not address.startswith('127.'):
-                found.append(address)
-    return found
+    return [address for _, address in network.interface_addresses() if not address.startswith('127.')]
 
 
 def _pick_address(everyone):

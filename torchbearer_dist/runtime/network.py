@@ -49,16 +49,25 @@ def route_interface(host, port=29500):
             local_ip = probe.getsockname()[0]
     except OSError:
         return None
+    return next((name for name, address in interface_addresses() if address == local_ip), None)
+
+
+def interface_addresses():
+    """``[(interface name, IPv4 address)]`` of this machine's interfaces that have one, loopback included.
+
+    Returns:
+        list: in the order of :func:`socket.if_nameindex`
+    """
     siocgifaddr = 0x8915
+    found = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
         for _, name in socket.if_nameindex():
             try:
                 packed = fcntl.ioctl(query.fileno(), siocgifaddr, struct.pack('256s', name[:15].encode()))
-            except OSError:
+            except OSError:  # no IPv4 address on this interface
                 continue
-            if socket.inet_ntoa(packed[20:24]) == local_ip:
-                return name
-    return None
+            found.append((name, socket.inet_ntoa(packed[20:24])))
+    return found
 
 
 def gloo_interface(env, environ):
