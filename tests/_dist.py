@@ -314,10 +314,8 @@ def snapshot(model):
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def children(pid=None):
-    """The live (not zombie) child processes of ``pid`` (this process by default), from /proc."""
-    parent = str(os.getpid() if pid is None else pid)
-    found = []
+def _live_processes():
+    """``(pid, stat fields after the command name)`` of every live (not zombie) process, from /proc."""
     for entry in os.listdir('/proc'):
         if not entry.isdigit():
             continue
@@ -326,6 +324,16 @@ def children(pid=None):
                 fields = f.read().rsplit(')', 1)[1].split()
         except (OSError, IndexError):  # gone, or read empty while it exits
             continue
-        if fields[1] == parent and fields[0] != 'Z':
-            found.append(int(entry))
-    return found
+        if fields[0] != 'Z':
+            yield int(entry), fields
+
+
+def children(pid=None):
+    """The live (not zombie) child processes of ``pid`` (this process by default), from /proc."""
+    parent = str(os.getpid() if pid is None else pid)
+    return [found for found, fields in _live_processes() if fields[1] == parent]
+
+
+def session(sid):
+    """The live (not zombie) processes of session ``sid`` (a process started with ``start_new_session``)."""
+    return [found for found, fields in _live_processes() if int(fields[3]) == sid]

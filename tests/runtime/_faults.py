@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from _dist import CAUSE_WAIT, ROOT, child_env, kill_session
+from _dist import CAUSE_WAIT, ROOT, child_env, kill_session, session
 from _fault_rank import HERE, RENDEZVOUS_TIMEOUT, TIMEOUT
 
 #: Seconds between heartbeats (runtime/_watchdog.py).
@@ -81,27 +81,12 @@ def _error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith('error: ')]
 
 
-def _session_alive(sid):
-    """pids of the processes whose session id is ``sid``."""
-    found = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open('/proc/{}/stat'.format(entry)) as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != 'Z':
-                found.append(int(entry))
-    return found
-
-
 def _assert_gone(processes, port, within=None):
     """No process of the sessions of ``processes`` is left, and ``port`` binds again on 127.0.0.1."""
     deadline = time.monotonic() + (STOP_BOUND if within is None else within)
-    while time.monotonic() < deadline and any(_session_alive(p.pid) for p in processes):
+    while time.monotonic() < deadline and any(session(p.pid) for p in processes):
         time.sleep(0.05)
-    left = {p.pid: _session_alive(p.pid) for p in processes if _session_alive(p.pid)}
+    left = {p.pid: session(p.pid) for p in processes if session(p.pid)}
     assert not left, 'processes left behind: {}'.format(left)
     _assert_port_free(port)
 

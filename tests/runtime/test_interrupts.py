@@ -10,14 +10,13 @@ import time
 
 import pytest
 
-from _dist import free_port
+from _dist import free_port, session
 from _faults import (
     LAUNCH_STOP_BOUND,
     STOP_BOUND,
     _assert_gone,
     _error_lines,
     _kill_all,
-    _session_alive,
     _start_launcher,
     _start_rank,
     _wait_all,
@@ -64,14 +63,14 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(target):
     launcher = _start_launcher(port)
     try:
         _wait_for_ranks(launcher, 2)
-        assert len(_session_alive(launcher.pid)) >= 3
+        assert len(session(launcher.pid)) >= 3
         started = time.monotonic()
         if target == 'group':
             os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
         else:
             os.kill(launcher.pid, signal.SIGINT)
         launcher.wait(LAUNCH_STOP_BOUND + 5)
-        while _session_alive(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
+        while session(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         print('Ctrl-C on the launcher ({}): all ended in {:.2f} s'.format(target, elapsed))
@@ -91,12 +90,12 @@ def test_killed_launcher_leaves_no_rank_behind(start_method):
     launcher = _start_launcher(port, start_method)
     try:
         _wait_for_ranks(launcher, 2)
-        children = [pid for pid in _session_alive(launcher.pid) if pid != launcher.pid]
+        children = [pid for pid in session(launcher.pid) if pid != launcher.pid]
         assert len(children) >= 2
         started = time.monotonic()
         launcher.kill()
         launcher.wait(5)
-        while _session_alive(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
+        while session(launcher.pid) and time.monotonic() - started < LAUNCH_STOP_BOUND + 5:
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         print('SIGKILL of the launcher: children gone in {:.2f} s'.format(elapsed))

@@ -175,20 +175,6 @@ def _ids():
     return ['{}-{}-{}-rank{}'.format(*trial) for trial in _trials()]
 
 
-def _session_alive(sid):
-    found = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open('/proc/{}/stat'.format(entry)) as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != 'Z':
-                found.append(int(entry))
-    return found
-
-
 class _Job:
     """The processes of one trial, their output, and the pids the ranks announce."""
 
@@ -335,6 +321,7 @@ def _commands(launcher, phase, fault_rank, hosts, port):
 
 
 def _trial(launcher, phase, fault, fault_rank, hosts, port):
+    from _dist import session  # not at the top: this file is also the ranks' program, which needs no torch yet
     job = _Job(_commands(launcher, phase, fault_rank, hosts, port), _env())
     stopped = []
     try:
@@ -385,10 +372,10 @@ def _trial(launcher, phase, fault, fault_rank, hosts, port):
         assert not wrong, 'the errors name rank {} for a fault of rank {}: {}'.format(wrong, fault_rank, errors)
         # nothing left behind: the launcher's ranks die with it (pre-empted by SIGTERM included)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_session_alive(p.pid) for p in job.processes
+        while time.monotonic() < deadline and any(session(p.pid) for p in job.processes
                                                   if p.pid not in exclude):
             time.sleep(0.05)
-        left = {p.pid: _session_alive(p.pid) for p in job.processes if p.pid not in exclude and _session_alive(p.pid)}
+        left = {p.pid: session(p.pid) for p in job.processes if p.pid not in exclude and session(p.pid)}
         assert not left, 'processes left behind: {}'.format(left)
     finally:
         for pid in stopped:

@@ -82,28 +82,33 @@ class StderrTail:
     """
 
     def __init__(self):
-        self.lines, self._threads, self._pending = {}, [], {}
+        self.lines, self._threads = {}, []
 
-    def pipe(self):
-        """A new pipe for a forkserver rank: its write end as a Connection to pass to the rank."""
-        read_end, write_end = os.pipe()
-        self._pending[write_end] = read_end
-        return connection.Connection(write_end, readable=False)
-
-    def start(self, rank, process, write_end=None):
-        """Start ``process`` (rank ``rank``) with its stderr on a pipe read by a thread of this process.
+    def start(self, rank, make_process, as_argument=False):
+        """Start ``make_process(write_end)`` (rank ``rank``) with its stderr on a pipe read by a thread here.
 
         Args:
             rank (int): the rank
-            process (multiprocessing.Process): not started yet
-            write_end (multiprocessing.connection.Connection): for a forkserver rank, the pipe's write
-                end, already among the process's arguments (a forked server's child does not inherit
-                this process's file descriptor 2); by default the pipe is made here and is this
-                process's file descriptor 2 while the rank starts, so that even an error before the
-                rank's code runs (unpickling its function) is caught
+            make_process (callable): the rank's :class:`multiprocessing.Process`, not started, given the
+                pipe's write end or None
+            as_argument (bool): pass the write end to ``make_process`` as a Connection, for a rank forked
+                by a forkserver (it does not inherit this process's file descriptor 2); otherwise the pipe
+                is this process's file descriptor 2 while the rank starts, so that even an error before
+                the rank's code runs (unpickling its function) is caught
+
+        Returns:
+            multiprocessing.Process: the started process
         """
-        if write_end is None:
-            read_end, write_end = os.pipe()
+        read_end, write_end = os.pipe()
+        if as_argument:
+            write_end = connection.Connection(write_end, readable=False)
+            process = make_process(write_end)
+            try:
+                process.start()
+            finally:
+                write_end.close()
+        else:
+            process = make_process(None)
             saved = os.dup(2)
             try:
                 os.dup2(write_end, 2)
@@ -112,17 +117,12 @@ class StderrTail:
                 os.dup2(saved, 2)
                 os.close(saved)
                 os.close(write_end)
-        else:
-            read_end = self._pending.pop(write_end.fileno())
-            try:
-                process.start()
-            finally:
-                write_end.close()
         self.lines[rank] = collections.deque(maxlen=_TAIL_LINES)
         thread = threading.Thread(target=self._pump, args=(read_end, self.lines[rank]),
                                   name='torchbearer_dist-stderr{}'.format(rank), daemon=True)
         thread.start()
         self._threads.append(thread)
+        return process
 
     @staticmethod
     def _pump(read_end, lines):

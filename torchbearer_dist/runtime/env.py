@@ -168,31 +168,6 @@ def _local_world_size(source, world_size, environ):
     return None
 
 
-#: The launcher's own way to hand every rank ``MASTER_ADDR``, for the error of a job with no address.
-_EXPORT = {'openmpi': 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=29500 ...',
-           'pmi': 'mpiexec -genv MASTER_ADDR ADDR ...',
-           'slurm': 'export MASTER_ADDR=ADDR before srun'}
-
-
-def _check_not_loopback(env, given):
-    """Fail at once where a job spans machines but its ranks would meet at a loopback address."""
-    if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None:
-        return
-    if not network.is_loopback(env.host):
-        return
-    how = {'openmpi': 'mpirun', 'pmi': 'mpiexec', 'slurm': 'srun'}.get(env.source, env.source)
-    if given:
-        raise RuntimeError('rank {} of {} runs on a machine with {} of the job\'s ranks ({} says so) but was told '
-                           'to meet rank 0 at {}, a loopback address that is a different machine on each host; '
-                           'pass --host (or MASTER_ADDR) an address of rank 0\'s machine, e.g. {}'.format(
-                               env.rank, env.world_size, env.local_world_size, how, env.address, _EXPORT[env.source]))
-    raise RuntimeError('rank {} of {}: {} started the job on several machines ({} of its ranks here) and gives no '
-                       'address of rank 0; pass --host ADDR or set MASTER_ADDR on every rank, e.g. {}{}'.format(
-                           env.rank, env.world_size, how, env.local_world_size, _EXPORT[env.source],
-                           ', or pip install mpi4py to have rank 0\'s address sent through MPI'
-                           if env.source in ('openmpi', 'pmi') else ''))
-
-
 def resolve(rank=None, world_size=None, host=None, port=None, backend=None, timeout=None,
             init_method=None, local_rank=None, environ=None):
     """Work out this process's place in the job and check every value, without touching the network.
@@ -305,7 +280,7 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, host=host, port=port,
                   backend=backend, timeout=_timeout(timeout, environ), init_method=init_method, source=source,
                   local_world_size=local_world_size)
-    _check_not_loopback(env, given)
+    network.check_not_loopback(env, given)
     return env
 
 

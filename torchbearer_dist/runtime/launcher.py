@@ -7,6 +7,7 @@ it turns on :func:`~torchbearer_dist.watch_interrupts` in each. How it watches t
 :mod:`torchbearer_dist.runtime._supervisor`.
 """
 import ctypes
+import functools
 import os
 import pickle
 import select
@@ -197,11 +198,11 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
     try:
         for rank in range(world_size):
             parent_end, child_end = context.Pipe(duplex=False)
-            write_end = stderr.pipe() if method == 'forkserver' else None  # a child of the server, not of us
-            process = context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=(
-                fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs, child_end,
-                os.getpid(), write_end))
-            stderr.start(rank, process, write_end)
+            child_args = (fn, rank, world_size, host, port, backend, timeout, rendezvous_timeout, args, kwargs,
+                          child_end, os.getpid())
+            # a forkserver's rank is a child of the server, not of this process: its stderr pipe is an argument
+            process = stderr.start(rank, functools.partial(_rank_process, context, rank, child_args),
+                                   as_argument=method == 'forkserver')
             child_end.close()
             processes.append(process)
             pipes.append(parent_end)
@@ -214,6 +215,11 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
     finally:
         _supervisor.stop(processes, grace)
         stderr.drain()
+
+
+def _rank_process(context, rank, child_args, stderr):
+    """Rank ``rank``'s process, not started: :func:`_child` with ``child_args`` and its ``stderr`` pipe."""
+    return context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=child_args + (stderr,))
 
 
 def _last_rank_bound(timeout, rendezvous_timeout):

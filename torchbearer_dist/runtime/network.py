@@ -1,4 +1,5 @@
-"""The route to the master: whether an address is this machine's loopback, and which interface gloo uses.
+"""The route to the master: whether an address is this machine's loopback, which interface gloo uses,
+and the refusal of a job across machines told to meet at a loopback address.
 
 gloo connects its ranks through one network interface of each machine. Left to itself it takes the
 one its host name resolves to, often loopback, and a job across machines hangs or fails (pytorch issue
@@ -79,3 +80,36 @@ def gloo_interface(env, environ):
     if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1 or env.backend != 'gloo':
         return None
     return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)
+
+
+#: The launcher's own way to hand every rank ``MASTER_ADDR``, for the error of a job with no address.
+_EXPORT = {'openmpi': 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=29500 ...',
+           'pmi': 'mpiexec -genv MASTER_ADDR ADDR ...',
+           'slurm': 'export MASTER_ADDR=ADDR before srun'}
+
+
+def check_not_loopback(env, given):
+    """Fail at once, before any network wait, where a job spans machines but would meet at a loopback address.
+
+    Args:
+        env (DistEnv): this process's place in the job, with the launcher's count of ranks on this machine
+        given (bool): whether the address was given (``--host``, ``MASTER_ADDR``) rather than defaulted
+
+    Raises:
+        RuntimeError: one line saying how this launcher hands every rank rank 0's address
+    """
+    if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None:
+        return
+    if not is_loopback(env.host):
+        return
+    how = {'openmpi': 'mpirun', 'pmi': 'mpiexec', 'slurm': 'srun'}.get(env.source, env.source)
+    if given:
+        raise RuntimeError('rank {} of {} runs on a machine with {} of the job\'s ranks ({} says so) but was told '
+                           'to meet rank 0 at {}, a loopback address that is a different machine on each host; '
+                           'pass --host (or MASTER_ADDR) an address of rank 0\'s machine, e.g. {}'.format(
+                               env.rank, env.world_size, env.local_world_size, how, env.address, _EXPORT[env.source]))
+    raise RuntimeError('rank {} of {}: {} started the job on several machines ({} of its ranks here) and gives no '
+                       'address of rank 0; pass --host ADDR or set MASTER_ADDR on every rank, e.g. {}{}'.format(
+                           env.rank, env.world_size, how, env.local_world_size, _EXPORT[env.source],
+                           ', or pip install mpi4py to have rank 0\'s address sent through MPI'
+                           if env.source in ('openmpi', 'pmi') else ''))
