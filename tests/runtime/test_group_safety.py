@@ -161,16 +161,22 @@ def test_gloo_connections_are_identified_positively():
 
 
 USER_SCRIPT = """
-import os, sys
+import os, sys, threading
 import torch, torch.distributed as dist
 import torchbearer_dist
+def native_threads():  # threads Python did not start: gloo's workers and its socket loop among them
+    return len(os.listdir('/proc/self/task')) - threading.active_count()
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-before = dict(os.environ)
+before, native = dict(os.environ), native_threads()
 with torchbearer_dist.process_group(rank=rank, world_size=3, host='127.0.0.1', port=port, backend='gloo',
                                     timeout=60, rendezvous_timeout=20):
+    model = torch.nn.Linear(2, 2)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # the first optimizer imports torch._dynamo, as in every Trial
     total = torch.ones(1)
     dist.all_reduce(total)
-assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+changed = set(os.environ.items()) ^ set(before.items())
+assert {k for k, _ in changed} <= {'TORCHINDUCTOR_CACHE_DIR'}, changed  # set by torch._dynamo's import, not by us
+assert native_threads() == native, 'the destroyed group left {} threads running'.format(native_threads() - native)
 print('rank', rank, 'total', total.item())
 """
 #: The same job from a script that never tears its group down and exits right after a collective.
@@ -193,6 +199,8 @@ print('rank', rank, 'total', total.item())
 def test_a_users_own_script_exits_0_every_time(tmp_path, script_text, runs):
     """torch 2.14 scripts may abort at exit ("terminate called without an active exception", 134): a
     gloo worker or our heartbeat still inside torch when the interpreter finalizes (runtime/_teardown.py).
+    A group destroyed after torch imported torch.distributed.nn (with the first optimizer) must leave
+    no thread running: that module's default arguments would otherwise hold it.
 
     The abort is a race: one run checks the path every time, ten (TORCHBEARER_DIST_TEST_SOAK=1) catch it.
     """

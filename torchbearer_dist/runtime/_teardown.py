@@ -17,6 +17,27 @@ from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, rendezvo
 from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
 from torchbearer_dist.runtime.env import current_env, current_store, set_current
 
+
+def import_torch_nn_first():
+    """Import :mod:`torch.distributed.nn` while no process group exists, so that nothing holds one after it ends.
+
+    ``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` in its signatures when first
+    imported, and torch imports it with ``torch._dynamo`` when a process builds its first optimizer.
+    Imported while a group is up, its default arguments keep that group alive for the rest of the
+    process: ``destroy_process_group`` then leaves gloo's worker threads running into interpreter
+    finalization, where a worker that drops a finished collective aborts the process after training
+    ended ("terminate called without an active exception", exit -6; measured in a core file: the
+    worker, in ``ProcessGroupGloo::AsyncWork``'s destructor, asked for the GIL of a finalizing
+    interpreter). Imported before any group exists, the defaults are None and the group ends when it
+    is destroyed. Called at import and before each group is made; a group that is already up when the
+    package is imported is left as torch leaves it.
+    """
+    if 'torch.distributed.nn' not in sys.modules and not dist.is_initialized():
+        import torch.distributed.nn  # noqa: F401
+
+
+import_torch_nn_first()
+
 #: The live group's heartbeat and its store connection, gloo's connections, the cause the heartbeat
 #: found, the store connections to wake while gloo connects, and whether it is connecting.
 live = {'watchdog': None, 'gloo': None, 'cause': None, 'store': None, 'client': None, 'connecting': False}
@@ -124,7 +145,8 @@ def _tear_down_at_exit():
     all-reduce (measured, interleaved: 5 of 80 processes of a two-rank script that ends right after
     an ``all_reduce`` without destroying its group, 0 of 80 with this handler) and our heartbeat
     returning from a store call. Exit handlers run before that point: destroy a group the script
-    left up, which joins gloo's threads, and wait for every stopped heartbeat.
+    left up, which joins gloo's threads (once nothing else holds the group: see
+    :func:`import_torch_nn_first`), and wait for every stopped heartbeat.
     """
     if current_env() is not None or live['watchdog'] is not None:
         leave(wait=False)  # no wait for the peers: an uncaught error may be on its way out
