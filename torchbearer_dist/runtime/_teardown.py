@@ -29,8 +29,7 @@ def import_torch_nn_first():
     ended ("terminate called without an active exception", exit -6; measured in a core file: the
     worker, in ``ProcessGroupGloo::AsyncWork``'s destructor, asked for the GIL of a finalizing
     interpreter). Imported before any group exists, the defaults are None and the group ends when it
-    is destroyed. Called at import and before each group is made; a group that is already up when the
-    package is imported is left as torch leaves it.
+    is destroyed. Called once, at import: a group that is already up then is left as torch leaves it.
     """
     if 'torch.distributed.nn' not in sys.modules and not dist.is_initialized():
         import torch.distributed.nn  # noqa: F401

@@ -134,7 +134,6 @@ def _create(env, store, environ):
     # gloo's connect waits for every peer as long as the group's timeout: the rendezvous timeout
     # bounds it, and the collective timeout is set once every rank is connected.
     connect_timeout = min(env.timeout, env.meet_timeout)
-    _teardown.import_torch_nn_first()
     try:
         dist.init_process_group(env.backend, store=group_store, rank=env.rank, world_size=env.world_size,
                                 timeout=connect_timeout)
