@@ -52,15 +52,16 @@ def start_watchdog(env, environ):
     if client is not None:
         live['client'] = [c for c in _gloo_sockets.store_connections(env.host, env.port) if c not in live['store']]
         client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
-        live['watchdog'] = Watchdog(env, client, lambda cause: _on_watchdog(client, env, cause)).start()
+        live['watchdog'] = Watchdog(env, client, lambda cause, store_answers: _on_watchdog(
+            client, env, cause, store_answers)).start()
 
 
-def _on_watchdog(client, env, cause):
-    """From the watchdog thread: publish what it found (or read what another rank published), then
-    wake this rank's main thread."""
+def _on_watchdog(client, env, cause, store_answers):
+    """From the watchdog thread: publish what it found where the store still answers (or read what
+    another rank published), then wake this rank's main thread."""
     if cause is not None:
         live['cause'] = cause  # the main thread reports it even if the store is out of reach
-        if cause.rank != 0:
+        if store_answers:  # rank 0 too then learns the cause, rather than guessing one from a closed connection
             _diagnosis.publish(client, cause)
     else:
         try:  # read now, while rank 0 still waits for its readers: its store may be gone when the main thread asks

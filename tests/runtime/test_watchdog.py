@@ -1,0 +1,71 @@
+"""The heartbeat's judgement of a peer, against a real TCPStore in this process (no group, no peers).
+
+A peer is played by a thread that beats rank 0's counter as a rank's heartbeat would; the watched
+side is a real :class:`~torchbearer_dist.runtime._watchdog.Watchdog` of rank 1.
+"""
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from torchbearer_dist.runtime import launcher
+from torchbearer_dist.runtime._watchdog import Watchdog
+from torchbearer_dist.runtime.env import DistEnv
+
+LIMIT = 1.0
+
+
+def _env(limit=LIMIT):
+    return DistEnv(rank=1, world_size=2, local_rank=1, host='127.0.0.1', port=0, backend='gloo',
+                   timeout=timedelta(seconds=60), rendezvous_timeout=timedelta(seconds=limit))
+
+
+@pytest.fixture
+def store():
+    port = launcher.free_port('127.0.0.1')
+    server = dist.TCPStore('127.0.0.1', port, None, True, timedelta(seconds=5), wait_for_workers=False)
+    yield dist.TCPStore('127.0.0.1', port, None, False, timedelta(seconds=5))
+    del server
+
+
+def _watch(store, period, beats):
+    """Beat rank 0's counter every ``period`` s, ``beats`` times, under a watchdog of rank 1; return
+    what the watchdog reported and when, measured from the last beat."""
+    failures, last_beat = [], [time.monotonic()]
+    watchdog = Watchdog(_env(), store, lambda cause, answers: failures.append((cause, answers, time.monotonic())))
+    watchdog.start()
+    try:
+        for _ in range(beats):
+            store.add('hb/0', 1)
+            last_beat[0] = time.monotonic()
+            time.sleep(period)
+        deadline = time.monotonic() + 3 * LIMIT
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        watchdog.stop()
+        watchdog.join()
+    return [(cause.line() if cause else None, answers, round(at - last_beat[0], 2)) for cause, answers, at in failures]
+
+
+def test_the_beat_is_a_quarter_of_a_short_rendezvous_timeout_and_a_second_at_most():
+    assert Watchdog(_env(2.0), None, None).interval == 0.5
+    assert Watchdog(_env(60.0), None, None).interval == 1.0
+
+
+def test_a_peer_beating_slower_than_it_is_sampled_but_within_the_limit_is_never_named(store):
+    # Beats 0.75 s apart are sampled every 0.25 s. Counted from the sample before the one that saw a
+    # beat (the rule before), the silence read up to 0.75 + 0.25 + the store calls: over the limit.
+    failures = _watch(store, period=0.75 * LIMIT, beats=6)
+    silence = 'no heartbeat from rank 0 for 1 s: its host is down or the network is partitioned (a rank that is ' \
+              'merely busy keeps beating); check that host and the network, or raise rendezvous_timeout='
+    # the last beat's peer then falls silent: named once, after the limit, never before
+    assert [(line, answers) for line, answers, _ in failures] == [(silence, True)], failures
+    assert LIMIT - 0.05 < failures[0][2] < LIMIT + 0.25 * LIMIT + 0.5, failures
+
+
+def test_a_peer_that_stops_is_named_within_the_limit_and_one_beat_of_its_last_beat(store):
+    failures = _watch(store, period=0.1, beats=3)
+    assert len(failures) == 1 and failures[0][1] is True, failures
+    assert LIMIT - 0.05 < failures[0][2] < LIMIT + 0.25 * LIMIT + 0.5, failures
