@@ -59,7 +59,8 @@ def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, dead
         backend (str): ``'gloo'`` or ``'nccl'``
         group (str): ``'torch'`` joins with :func:`torch.distributed.init_process_group` only, as a
             user's own script would; ``'package'`` joins with :func:`torchbearer_dist.process_group`,
-            for tests of what the package's group adds (its timeouts, its environment)
+            for tests of what the package's group adds (its timeouts, its environment); ``'none'``
+            joins no group: ``fn`` makes its own (its environment is set as torchrun sets it)
 
     Raises:
         WorkerFailed: a rank raised (the first to report), with its traceback
@@ -169,6 +170,8 @@ def _rank_main(fn, rank, world_size, port, backend, timeout, group, args, kwargs
             with torchbearer_dist.process_group(rank=rank, world_size=world_size, host='127.0.0.1', port=port,
                                                 backend=backend, timeout=timeout):
                 result = fn(*args, **kwargs)
+        elif group == 'none':
+            result = fn(*args, **kwargs)
         else:
             dist.init_process_group(backend, init_method='tcp://127.0.0.1:{}'.format(port), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))

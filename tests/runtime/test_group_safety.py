@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, launch_workers
+from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, launch_workers, run_workers
 from _fault_rank import RENDEZVOUS_TIMEOUT, TIMEOUT, _build_trial
 from _faults import (
     _wait_all,
@@ -48,6 +48,30 @@ def _worker_listening():
 def test_store_listens_on_the_master_address_only():
     addresses = launch_workers(_worker_listening, 2, timeout=TIMEOUT)[0]
     assert addresses == ['127.0.0.1'], 'the store listens on {}, not on 127.0.0.1 only'.format(addresses)
+
+
+def _worker_rank0_slow_to_connect(delay):
+    import torchbearer_dist as tbd
+    from torchbearer_dist.runtime import group
+    create = group._create
+
+    def create_slowly(env, store, environ):  # as under load: rank 0 is done connecting ``delay`` s after rank 1
+        create(env, store, environ)
+        if env.rank == 0:
+            time.sleep(delay)
+
+    group._create = create_slowly
+    tbd.init_process_group(rank=int(os.environ['RANK']), world_size=2, host='127.0.0.1',
+                           port=int(os.environ['MASTER_PORT']), rendezvous_timeout=30)
+    returned = time.monotonic()  # one clock for every process of this machine
+    tbd.destroy_process_group()  # at once, with no collective: rank 0 must already be connected
+    return returned
+
+
+def test_the_group_is_created_on_no_rank_before_every_rank_connected():
+    delay = 2.0
+    rank0_returned, rank1_returned = run_workers(_worker_rank0_slow_to_connect, 2, args=(delay,), group='none')
+    assert rank1_returned > rank0_returned - delay / 4, (rank0_returned, rank1_returned)
 
 
 OBJECT_COLLECTIVES = ('broadcast_object_list', 'all_gather_object', 'gather_object', 'scatter_object_list',

@@ -79,6 +79,8 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
         finally:
             _teardown.live['connecting'] = False
         _teardown.live['store'] = None  # connected: from now on the heartbeat wakes collectives, not the store
+        if env.world_size > 1:
+            rendezvous.wait_until_connected(store, env)
     except BaseException as error:
         failure = _joining_failed(env, store, error)
         _teardown.destroy()
