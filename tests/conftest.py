@@ -19,6 +19,10 @@ from _dist import children  # noqa: E402 (tests/ on sys.path first)
 
 
 def pytest_configure(config):
+    # A suite started in the background of a non-interactive shell (``cmd &``, nohup) inherits SIGINT
+    # ignored, and so would every rank it starts: the Ctrl-C tests would then test nothing and fail.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line('markers', 'gpu: needs CUDA; TORCHBEARER_DIST_TEST_GPU=1 turns the skip into a failure')
     config.addinivalue_line('markers', 'slow: a multi-process test of several seconds')
     config.addinivalue_line('markers', 'netns: builds Linux network namespaces; needs root')
