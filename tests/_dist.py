@@ -37,6 +37,8 @@ DEADLINE = 60
 SOAK = os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1'
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: torchrun itself, found through this Python whether or not the venv's bin is on PATH.
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
 
 
 class WorkerFailed(RuntimeError):

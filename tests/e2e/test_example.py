@@ -3,7 +3,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 import torchbearer_dist
 from torchbearer_dist.runtime.launcher import free_port
 
-from _dist import ROOT, python, run_command
+from _dist import ROOT, TORCHRUN, python, run_command
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 #: Seconds one run of the example may take on a busy 2-core machine.
@@ -251,11 +250,10 @@ OWN_SCRIPT = os.path.join(ROOT, 'examples', 'own_script.py')
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which('torchrun') is None, reason='torchrun is not on PATH')
 def test_own_script_resumes_as_if_never_stopped(tmp_path):
     """The "Your own script" page's script: 1 epoch, then resumed to 2, prints what 2 at once print."""
     def torchrun(epochs, checkpoint):
-        result = run_command([shutil.which('torchrun'), '--standalone', '--nproc-per-node', '2', OWN_SCRIPT,
+        result = run_command([*TORCHRUN, '--standalone', '--nproc-per-node', '2', OWN_SCRIPT,
                               '--epochs', str(epochs), '--checkpoint', str(tmp_path / checkpoint)],
                              timeout=RUN_TIMEOUT, cwd=str(tmp_path))
         assert result.returncode == 0, result.stderr[-3000:]

@@ -7,14 +7,13 @@ that meet under a store prefix of their own.
 import os
 import re
 import socket
-import sys
 import time
 
 import pytest
 
 from torchbearer_dist.runtime import rendezvous
 
-from _dist import child_env, free_port, run_command
+from _dist import TORCHRUN, child_env, free_port, run_command
 from _fault_rank import HERE, TIMEOUT
 from _faults import (
     BEAT,
@@ -169,12 +168,8 @@ def test_duplicate_rank_fails_at_once_and_the_job_goes_on():
 @pytest.mark.slow
 @pytest.mark.parametrize('runs', [1, pytest.param(5, marks=pytest.mark.soak)], ids=['once', 'soak'])
 def test_torchrun_restart_does_not_trip_over_the_previous_attempt(runs):
-    import shutil
-    torchrun = shutil.which('torchrun') or os.path.join(os.path.dirname(sys.executable), 'torchrun')
-    if not os.path.exists(torchrun):
-        pytest.skip('torchrun is not installed')
     for _ in range(runs):  # torch's own rendezvous failed 2 runs in 5 here without a prefix per attempt
-        result = run_command([torchrun, '--standalone', '--nproc-per-node', '2', '--max-restarts', '1',
+        result = run_command([*TORCHRUN, '--standalone', '--nproc-per-node', '2', '--max-restarts', '1',
                               '--monitor-interval', '0.5', HERE, '--torchrun', '--timeout', str(TIMEOUT)],
                              timeout=120, env=child_env(TORCH_CPP_LOG_LEVEL='FATAL'))
         assert result.returncode == 0, result.stderr[-3000:]

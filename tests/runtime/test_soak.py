@@ -22,7 +22,6 @@ import os
 import random
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -309,10 +308,8 @@ def _commands(launcher, phase, fault_rank, hosts, port):
     if launcher == 'launch':
         return [[sys.executable, HERE, '--launch', '2', '--port', str(port), *rank_args]]
     if launcher == 'torchrun':
-        torchrun = shutil.which('torchrun') or os.path.join(os.path.dirname(sys.executable), 'torchrun')
-        if not os.path.exists(torchrun):
-            pytest.skip('torchrun is not installed')
-        return [[torchrun, '--standalone', '--nproc-per-node', '2', '--monitor-interval', '0.5', HERE,
+        from _dist import TORCHRUN
+        return [[*TORCHRUN, '--standalone', '--nproc-per-node', '2', '--monitor-interval', '0.5', HERE,
                  '--library', *rank_args]]
     host = hosts.address(0) if hosts else '127.0.0.1'
     commands = [[sys.executable, HERE, '--rank', str(r), '--world-size', '2', '--host', host, '--port', str(port),

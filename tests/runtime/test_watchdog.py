@@ -62,10 +62,10 @@ def test_a_peer_beating_slower_than_it_is_sampled_but_within_the_limit_is_never_
               'merely busy keeps beating); check that host and the network, or raise rendezvous_timeout='
     # the last beat's peer then falls silent: named once, after the limit, never before
     assert [(line, answers) for line, answers, _ in failures] == [(silence, True)], failures
-    assert LIMIT - 0.05 < failures[0][2] < LIMIT + 0.25 * LIMIT + 0.5, failures
+    assert LIMIT - 0.1 < failures[0][2] < LIMIT + 0.25 * LIMIT + 1.0, failures
 
 
 def test_a_peer_that_stops_is_named_within_the_limit_and_one_beat_of_its_last_beat(store):
     failures = _watch(store, period=0.1, beats=3)
     assert len(failures) == 1 and failures[0][1] is True, failures
-    assert LIMIT - 0.05 < failures[0][2] < LIMIT + 0.25 * LIMIT + 0.5, failures
+    assert LIMIT - 0.1 < failures[0][2] < LIMIT + 0.25 * LIMIT + 1.0, failures
