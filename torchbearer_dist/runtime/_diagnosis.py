@@ -185,6 +185,15 @@ def master_silent(env, seconds):
                      env.address, seconds))
 
 
+def frozen(rank, seconds, limit):
+    """The :class:`Cause` for this rank, which did not run for ``seconds``, longer than the rendezvous
+    timeout ``limit``: its peers took it for lost meanwhile."""
+    return Cause(rank, NETWORK, '', 'rank {} did not run for {:.0f} s, longer than the rendezvous timeout ({:g} s), '
+                 'and the other ranks took it for lost: it was stopped (Ctrl-Z, kill -STOP), its machine was paused, '
+                 'or its main thread held the GIL in one native call; let it run, or raise rendezvous_timeout='.format(
+                     rank, seconds, limit))
+
+
 def is_guess(cause):
     """Whether ``cause`` was only guessed from gloo's words (a timeout, a closed connection), rather than
     published by a rank, seen in the process table or told by a refused connection."""

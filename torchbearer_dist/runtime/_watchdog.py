@@ -9,6 +9,10 @@ the cause, then wake this rank's main thread from the collective it is blocked i
 by :mod:`torchbearer_dist.runtime.group`). The collective timeout can therefore be long, as torch's is: a
 rank busy for minutes between collectives (rank-0-only work) keeps beating and is never mistaken
 for a dead one.
+
+A rank that did not run for a while (stopped by Ctrl-Z or ``kill -STOP``, its machine paused, its
+main thread holding the GIL in one native call) judges nobody by what it read before: when the pause
+outlasted the rendezvous timeout, what it then finds wrong is its own pause, and it says so.
 """
 import threading
 import time
@@ -44,7 +48,11 @@ class Watchdog:
         self.interval = min(interval, self.limit / _BEATS_PER_LIMIT)
         watched = list(range(env.world_size)) if env.rank == 0 else [0]
         self.watched = [r for r in watched if r != env.rank]
-        self._seen = (time.monotonic(), False, None)  # last success: when, error published, heartbeat values
+        now = time.monotonic()
+        self._seen = (now, now, False, None)  # last success: began, ended, error published, heartbeat values
+        self._failed = 0.0  # when a store round last failed
+        self.awake = now  # when the watch thread last ran
+        self._frozen = None  # (seconds, when) of the last pause of this process longer than the limit
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name='torchbearer_dist-heartbeat', daemon=True),
                          threading.Thread(target=self._watch, name='torchbearer_dist-watchdog', daemon=True)]
@@ -83,16 +91,32 @@ class Watchdog:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(bound)
 
+    def frozen_cause(self):
+        """The :class:`~_diagnosis.Cause` naming this rank when it has just been paused for longer than
+        the rendezvous timeout (its peers then took it for lost), else None.
+
+        Also right after the pause, before the watch thread has run again: its last wake-up is then
+        older than the limit.
+        """
+        now = time.monotonic()
+        if now - self.awake > self.limit:
+            return _diagnosis.frozen(self.env.rank, now - self.awake, self.limit)
+        if self._frozen is not None and now - self._frozen[1] <= self.limit:
+            return _diagnosis.frozen(self.env.rank, self._frozen[0], self.limit)
+        return None
+
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
         while not self._stop.wait(self.interval):
+            began = time.monotonic()
             try:
                 store.add('hb/{}'.format(self.env.rank), 1)
                 error = store.check(['error'])
                 values = store.multi_get(keys) if keys else []
             except Exception:
+                self._failed = time.monotonic()
                 continue
-            self._seen = (time.monotonic(), error, values)
+            self._seen = (began, time.monotonic(), error, values)
 
     def _watch(self):
         # A counter is sampled every interval. The silence is counted from the sample that saw its
@@ -101,17 +125,28 @@ class Watchdog:
         # come), a peer beating a little slower than it is sampled, as a busy rank 0 does, was named
         # silent whenever one sample window held no beat: 1 healthy job in 30 under load, measured.
         # The price is a peer named up to one interval after the limit. Judged four times per beat.
-        last, changed, sample, dead = {}, {}, None, {}
+        # A wake-up gap of half the limit means this process did not run (a thread of a loaded machine
+        # waits far less): what was read before is not judged, and silences count from the first
+        # round begun after it. A gap of a beat or two is not a pause: resetting the silences then
+        # let a loaded rank 0 never name a stopped peer.
+        last, changed, sample, dead, resumed = {}, {}, None, {}, self.awake
         while not self._stop.wait(self.interval / 4):
             now = time.monotonic()
+            gap, self.awake = now - self.awake, now
+            if gap > self.limit / 2:
+                last, changed, resumed = {}, {}, now
+                if gap > self.limit:
+                    self._frozen = (gap, now)
             for rank in _peers.dead_local_ranks():
                 dead.setdefault(rank, now)
-            reached, error, values = self._seen
+            began, reached, error, values = self._seen
             if error:
                 return self._fail(None, True)
-            if self.env.rank != 0 and now - reached > self.limit:
+            if self.env.rank != 0 and now - max(reached, resumed) > self.limit:
                 return self._fail(_diagnosis.master_silent(self.env, self.limit), False)
-            if values is None or reached == sample:
+            if self._failed > resumed and self.frozen_cause() is not None:  # the store went away during the pause
+                return self._fail(_diagnosis.master_silent(self.env, self.limit), False)
+            if values is None or reached == sample or began < resumed:
                 continue
             sample = reached
             for rank, value in zip(self.watched, values):
@@ -125,5 +160,7 @@ class Watchdog:
                     return self._fail(_diagnosis.no_heartbeat(rank, self.limit), True)
 
     def _fail(self, cause, store_answers):
+        if cause is not None:  # what goes wrong right after a long pause of this rank is that pause
+            cause = self.frozen_cause() or cause
         if not self._stop.is_set():
             self.on_failure(cause, store_answers)

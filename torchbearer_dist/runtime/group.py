@@ -214,9 +214,13 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
     except BaseException as error:
         if env.world_size == 1:
             raise
+        watchdog = _teardown.live['watchdog']
+        # a peer that gave up on this rank while it did not run, seen before its watch thread runs again
+        frozen = watchdog.frozen_cause() if watchdog and _diagnosis.is_collective_error(error) else None
         _teardown.stop_watchdog()
-        cause, own = ((_teardown.live['cause'], False) if _teardown.live['cause'] is not None else
-                      _diagnosis.diagnose(store, env, error))
+        cause, own = _teardown.live['cause'] or frozen, False
+        if cause is None:
+            cause, own = _diagnosis.diagnose(store, env, error)
         if env.rank == 0 or cause.rank != 0 or cause.kind == _diagnosis.LOCAL:  # else the store is out of reach
             _diagnosis.publish(store, cause)
         _teardown.stop_peers(env)
