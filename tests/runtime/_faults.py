@@ -29,6 +29,19 @@ def _start_rank(rank, port, *extra, world_size=2, host='127.0.0.1', timeout=TIME
                             start_new_session=True, env=child_env() if env is None else env, cwd=ROOT)
 
 
+def _start_job(port, *extra, timeout=TIMEOUT):
+    """Start ranks 0 and 1 with ``extra`` and return them once each has printed ``ready`` (training
+    runs); kill both if one does not."""
+    ranks = [_start_rank(r, port, *extra, timeout=timeout) for r in range(2)]
+    try:
+        for process in ranks:
+            _wait_for_line(process, 'ready', timeout=90)
+    except BaseException:
+        _kill_all(ranks)
+        raise
+    return ranks
+
+
 def _wait_for_line(process, text, timeout=60):
     """Read ``process``'s stdout until a line equals ``text``; fail on exit or at the deadline."""
     deadline = time.monotonic() + timeout

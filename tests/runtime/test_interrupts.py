@@ -17,10 +17,9 @@ from _faults import (
     _assert_gone,
     _error_lines,
     _kill_all,
+    _start_job,
     _start_launcher,
-    _start_rank,
     _wait_all,
-    _wait_for_line,
     _wait_for_ranks,
 )
 
@@ -31,10 +30,8 @@ from _faults import (
 @pytest.mark.parametrize('interrupted', [0, 1])
 def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
     port = free_port()
-    ranks = [_start_rank(r, port, '--fault', 'deadlock') for r in range(2)]
+    ranks = _start_job(port, '--fault', 'deadlock')
     try:
-        for process in ranks:
-            _wait_for_line(process, 'ready', timeout=90)
         time.sleep(0.5)  # inside recv
         os.killpg(ranks[interrupted].pid, signal.SIGINT)  # Ctrl-C in that rank's terminal
         said = {}

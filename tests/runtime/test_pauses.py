@@ -15,7 +15,7 @@ import pytest
 
 from _dist import free_port
 from _fault_rank import RENDEZVOUS_TIMEOUT
-from _faults import DEAD_PEER_BOUND, _assert_gone, _error_lines, _kill_all, _start_rank, _wait_all, _wait_for_line
+from _faults import DEAD_PEER_BOUND, _assert_gone, _error_lines, _kill_all, _start_job, _wait_all
 
 PAUSE = RENDEZVOUS_TIMEOUT + 3
 
@@ -37,10 +37,8 @@ SHORT_TIMEOUT = 15
 @pytest.mark.slow
 def test_a_rank_paused_past_the_rendezvous_timeout_names_its_own_pause():
     port = free_port()
-    ranks = [_start_rank(r, port, '--epochs', 50, '--step-delay', 0.02, timeout=SHORT_TIMEOUT) for r in range(2)]
+    ranks = _start_job(port, '--epochs', 50, '--step-delay', 0.02, timeout=SHORT_TIMEOUT)
     try:
-        for process in ranks:
-            _wait_for_line(process, 'ready', timeout=90)
         _pause(ranks[1:], PAUSE)
         _, results = _wait_all(ranks, SHORT_TIMEOUT + DEAD_PEER_BOUND + 10)
         (rc0, err0), (rc1, err1) = results
@@ -65,10 +63,8 @@ def test_a_rank_paused_past_the_rendezvous_timeout_names_its_own_pause():
 def test_a_whole_job_paused_past_the_rendezvous_timeout_trains_on():
     # before the watch thread judged only what it read after a pause: 4 jobs in 4 ended, each rank blaming the other
     port = free_port()
-    ranks = [_start_rank(r, port, '--epochs', 6, '--step-delay', 0.02) for r in range(2)]
+    ranks = _start_job(port, '--epochs', 6, '--step-delay', 0.02)
     try:
-        for process in ranks:
-            _wait_for_line(process, 'ready', timeout=90)
         _pause(ranks, PAUSE)
         _, results = _wait_all(ranks, 90)
         assert [rc for rc, _ in results] == [0, 0], [err for _, err in results]

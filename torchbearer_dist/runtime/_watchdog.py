@@ -142,9 +142,9 @@ class Watchdog:
             began, reached, error, values = self._seen
             if error:
                 return self._fail(None, True)
-            if self.env.rank != 0 and now - max(reached, resumed) > self.limit:
-                return self._fail(_diagnosis.master_silent(self.env, self.limit), False)
-            if self._failed > resumed and self.frozen_cause() is not None:  # the store went away during the pause
+            # silent, or gone while this rank did not run (then _fail names the pause)
+            if self.env.rank != 0 and (now - max(reached, resumed) > self.limit or
+                                       self._failed > resumed and self.frozen_cause() is not None):
                 return self._fail(_diagnosis.master_silent(self.env, self.limit), False)
             if values is None or reached == sample or began < resumed:
                 continue
