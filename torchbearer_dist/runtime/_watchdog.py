@@ -152,7 +152,10 @@ class Watchdog:
             for rank, value in zip(self.watched, values):
                 if int(value) >= LEFT:
                     continue
-                if rank in dead and reached > dead[rank]:  # gone, and not marked left after it was seen gone
+                # gone while still beating, and not marked left after it was seen gone: killed or crashed.
+                # One whose beats had stopped before (cut off from the store, it gave up on rank 0) is
+                # named below for its silence, as a host cut off from this one is.
+                if rank in dead and reached > dead[rank] and dead[rank] - changed.get(rank, now) <= self.limit / 2:
                     return self._fail(_diagnosis.died([rank]), rank != 0)  # rank 0 held the store
                 if last.get(rank) != value:
                     last[rank], changed[rank] = value, reached
