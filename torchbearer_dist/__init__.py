@@ -4,6 +4,7 @@ from torchbearer_dist.callbacks.broadcast import BroadcastParameters
 from torchbearer_dist.callbacks.even_batches import EvenBatches
 from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
 from torchbearer_dist.callbacks.images import FlattenImages
+from torchbearer_dist.callbacks.low_communication import DiLoCo
 from torchbearer_dist.callbacks.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.callbacks.metrics import ReduceMetrics
 from torchbearer_dist.callbacks.output import RankZeroOnly, RankZeroOutput
@@ -39,7 +40,7 @@ def is_main_process():
 
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
-           'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DistEnv', 'EXIT_PREEMPTED', 'EvenBatches',
+           'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DiLoCo', 'DistEnv', 'EXIT_PREEMPTED', 'EvenBatches',
            'FlattenImages', 'LR_FACTOR', 'PeerFailedError', 'PowerSGD', 'Preempted', 'RankZeroOnly', 'RankZeroOutput',
            'ReduceMetrics', 'SKIPPED_STEPS', 'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm',
            'all_gather_rows', 'check_same_data', 'convert_sync_batchnorm', 'current_env', 'destroy_process_group',

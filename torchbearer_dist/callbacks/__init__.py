@@ -8,6 +8,7 @@ from torchbearer_dist.callbacks.broadcast import BroadcastParameters
 from torchbearer_dist.callbacks.even_batches import EvenBatches
 from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
 from torchbearer_dist.callbacks.images import FlattenImages
+from torchbearer_dist.callbacks.low_communication import DiLoCo
 from torchbearer_dist.callbacks.lr_scaling import LR_FACTOR, ScaleLearningRate
 from torchbearer_dist.callbacks.metrics import ReduceMetrics
 from torchbearer_dist.callbacks.output import RankZeroOnly, RankZeroOutput
@@ -16,12 +17,13 @@ from torchbearer_dist.callbacks.sampler import SetSamplerEpoch
 from torchbearer_dist.callbacks.stop import AgreeOnStop
 
 __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas',
+           'DiLoCo',
            'EvenBatches', 'FlattenImages', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'ScaleLearningRate',
            'SetSamplerEpoch', 'distributed_callbacks']
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
-                          loss_reduction='auto', check_data=True, **all_reduce):
+                          loss_reduction='auto', check_data=True, local_steps=None, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
     They work wherever they sit in the Trial's callback list, before or after your own callbacks:
@@ -47,17 +49,27 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             ``reduction='sum'`` is a sum, any other loss a mean), ``'mean'`` or ``'sum'`` (say so for a
             loss function that sums over the batch): gradients and loss figures are combined alike
         check_data (bool): the data sentinel of :class:`SetSamplerEpoch` (every rank given the same data)
+        local_steps (int): train ``local_steps`` steps locally between two averagings, with :class:`DiLoCo`
+            in place of :class:`AllReduceGradients` (for slow links); ``**all_reduce`` then holds
+            DiLoCo's options (``outer_lr``, ``outer_momentum``, ``compression``, ...); None (the default)
+            averages gradients at every step
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,
             ``check_divergence``, ...)
 
     Returns:
         list: BroadcastParameters, SetSamplerEpoch, EvenBatches, ReduceMetrics, RankZeroOutput,
-        optionally FlattenImages, and AllReduceGradients (or AgreeOnStop) last
+        optionally FlattenImages, and AllReduceGradients (or AgreeOnStop; or DiLoCo with ``local_steps``) last
     """
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data),
                  EvenBatches(policy=uneven),
                  ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction), RankZeroOutput()]
     if flatten_images:
         callbacks.append(FlattenImages())
+    if local_steps is not None:
+        if ddp:
+            raise ValueError('local_steps={!r} does not combine with ddp=True: DistributedDataParallel averages '
+                             'gradients at every step; pass one of them'.format(local_steps))
+        callbacks.append(DiLoCo(local_steps=local_steps, **all_reduce))
+        return callbacks
     callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(loss_reduction=loss_reduction, **all_reduce))
     return callbacks

@@ -205,6 +205,10 @@ class Checkpoint(Callback):
         """
         if self._resharded:
             return
+        for callback in list(state[torchbearer.CALLBACK_LIST]):  # state that differs per rank goes to rank 0 (DiLoCo)
+            gather = getattr(callback, 'gather_for_checkpoint', None)
+            if callable(gather):
+                gather(state)
         rngs = _midepoch.gather_rng_states(self._epoch_rng)
         self._last_save = time.monotonic()
         if collectives.rank() != 0:

@@ -1,0 +1,243 @@
+"""DiLoCo in a Trial (issue 27, items 1-3): the one equivalence, identical replicas, the stop, an exact resume.
+
+Every scenario runs in one start of two real gloo ranks. The equivalence that holds: one local step,
+outer SGD at learning rate 1 without momentum, plain SGD inside, is gradient averaging, so 2 ranks
+at batch B match one process at batch 2B. The resume: a run interrupted after a step checkpoint
+written between two outer steps, resumed in fresh objects, ends bit-identical to one never interrupted.
+"""
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchbearer
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchbearer import Callback
+
+import torchbearer_dist
+from torchbearer_dist import DiLoCo, distributed_callbacks
+
+from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests/ on sys.path)
+
+B = 4
+STEPS = 10
+EPOCHS = 2
+N = 2 * B * STEPS
+LR = 0.1
+SEED = 100
+
+
+def _data():
+    generator = torch.Generator().manual_seed(123)
+    return torch.randn(N, 6, generator=generator), torch.randint(0, 3, (N,), generator=generator)
+
+
+def _model(kind, seed):
+    torch.manual_seed(seed)
+    if kind == 'bn':
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _snapshot(model):
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _reference():
+    """One process, batch 2B, plain SGD, the same samples in the same order."""
+    x, y = _data()
+    model = _model('mlp', SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(EPOCHS):
+        for xb, yb in DataLoader(TensorDataset(x, y), batch_size=2 * B):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    return _snapshot(model)
+
+
+class _StopOn(Callback):
+    """Sets STOP_TRAINING on rank ``rank`` at batch ``batch`` of the first epoch; counts the batches trained."""
+
+    def __init__(self, rank, batch):
+        super().__init__()
+        self.rank, self.batch, self.trained = rank, batch, 0
+
+    def on_step_training(self, state):
+        self.trained += 1
+        if dist.get_rank() == self.rank and state[torchbearer.BATCH] == self.batch:
+            state[torchbearer.STOP_TRAINING] = True
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAt(Callback):
+    """Raises on every rank after training step ``at`` of the run (a crash every rank sees at the same step)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.steps = at, 0
+
+    def on_step_training(self, state):
+        self.steps += 1
+        if self.steps == self.at:
+            raise _Interrupted()
+
+
+def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS, checkpoint=None, resume=False):
+    rank = dist.get_rank()
+    model = _model(kind, SEED + rank)  # differently seeded ranks: BroadcastParameters is part of what is checked
+    dataset = TensorDataset(*_data())
+    loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=shuffle, seed=5))
+    optimizer = optimizer(model) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=LR)
+    callbacks = list(extra) + distributed_callbacks(**options)
+    if checkpoint is not None:
+        callbacks.insert(0, torchbearer_dist.Checkpoint(checkpoint, every_steps=4))
+    trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], callbacks=callbacks,
+                              verbose=0).with_train_generator(loader)
+    if resume:
+        torchbearer_dist.load_checkpoint(checkpoint, trial=trial)
+    try:
+        trial.run(epochs)
+    except _Interrupted:
+        pass
+    return model, callbacks
+
+
+def _equivalence():
+    model, _ = _trial('mlp', dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0))
+    return _snapshot(model)
+
+
+def _nesterov_bn():
+    model, callbacks = _trial('bn', dict(local_steps=3), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR,
+                                                                                             momentum=0.9))
+    return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps}
+
+
+def _stop():
+    stopper = _StopOn(rank=1, batch=1)
+    _trial('mlp', dict(local_steps=3), extra=[stopper])
+    return stopper.trained
+
+
+def _no_hooks():
+    class Wrapper:  # an optimizer wrapper without torch's step hooks
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def zero_grad(self):
+            self.optimizer.zero_grad()
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    try:
+        _trial('mlp', dict(local_steps=2), optimizer=lambda m: Wrapper(torch.optim.SGD(m.parameters(), lr=LR)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _resume(directory):
+    """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed."""
+    torch.manual_seed(0)
+    sgd = _momentum_sgd
+    whole, _ = _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True,
+                      checkpoint=os.path.join(directory, 'whole.pt'), extra=[_InterruptAt(None)])
+    torch.manual_seed(0)
+    path = os.path.join(directory, 'cut.pt')
+    _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(6)])
+    saved = torch.load(path, weights_only=True) if dist.get_rank() == 0 else None
+    torch.manual_seed(1)  # the resumed run owes nothing to this process's RNG
+    resumed, _ = _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True, checkpoint=path, resume=True,
+                        extra=[_InterruptAt(None)])  # the same callbacks in the same places: their states restore
+    diloco = None if saved is None else next(e['state'] for e in saved['callbacks'] if e['type'].endswith('.DiLoCo'))
+    return {'whole': _snapshot(whole), 'resumed': _snapshot(resumed), 'position': saved and saved['position'],
+            'inner_steps': diloco and diloco['inner_steps'], 'local': diloco and len(diloco['local'] or ())}
+
+
+def _momentum_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _worker(directory):
+    torch.set_num_threads(1)
+    return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
+                        ('no_hooks', _no_hooks), ('resume', functools.partial(_resume, directory))])
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    return run_workers(_worker, 2, args=(str(tmp_path_factory.mktemp('diloco')),), deadline=120)
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), 'entry {} differs: {} vs {}'.format(name, a[name], b[name])
+
+
+def test_one_local_step_outer_lr_one_no_momentum_is_gradient_averaging(trained):
+    rank0, rank1 = scenario_values(trained, 'equivalence')
+    _assert_equal(rank0, rank1)
+    reference = _reference()
+    difference = max((rank0[k] - reference[k]).abs().max().item() for k in reference)
+    print('DiLoCo(H=1, outer SGD lr 1, no momentum) vs one process at 2B: largest difference {:.2e}'.format(
+        difference))
+    assert difference < 1e-6
+    initial = _snapshot(_model('mlp', SEED))
+    assert not torch.equal(reference['0.weight'], initial['0.weight'])  # it did train
+
+
+def test_replicas_are_bit_identical_after_nesterov_outer_steps_with_batchnorm(trained):
+    rank0, rank1 = scenario_values(trained, 'nesterov_bn')
+    _assert_equal(rank0['state'], rank1['state'])  # running statistics averaged too
+    assert rank0['outer_steps'] == EPOCHS * 4  # steps 3, 6, 9 and the epoch end (10), each epoch
+    assert rank0['state']['1.num_batches_tracked'].item() == EPOCHS * STEPS
+
+
+def test_a_stop_on_one_rank_stops_every_rank_at_the_next_outer_step(trained):
+    assert scenario_values(trained, 'stop') == [3, 3]  # asked at step 2 on rank 1; the outer step at 3 carries it
+
+
+def test_an_optimizer_without_step_hooks_is_refused_at_the_start_of_the_run(trained):
+    for message in scenario_values(trained, 'no_hooks'):
+        assert message == ('state[optimizer] (Wrapper) has no register_step_post_hook, which DiLoCo needs to take its '
+                           'outer step after the inner one; pass a torch.optim.Optimizer')
+
+
+def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):
+    rank0, rank1 = scenario_values(trained, 'resume')
+    assert rank0['position']['epoch'] == 0 and rank0['position']['batches'] == 4
+    assert rank0['inner_steps'] == 1 and rank0['local'] == 2  # each rank's own weights were in the checkpoint
+    for rank in (rank0, rank1):
+        _assert_equal(rank['resumed'], rank['whole'])
+    _assert_equal(rank0['whole'], rank1['whole'])
+
+
+@pytest.mark.parametrize('make, message', [
+    (lambda: DiLoCo(local_steps=0), r'^local_steps should be an integer >= 1, but given 0$'),
+    (lambda: DiLoCo(local_steps=True), r'^local_steps should be an integer >= 1, but given True$'),
+    (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16' or 'bf16' \(the dtype "
+                                        r"pseudo-gradients travel in\), but given 'fp8'$"),
+    (lambda: distributed_callbacks(local_steps=10, compression='powersgd'),
+     r"^compression='powersgd' does not combine with local steps: PowerSGD compresses every step's gradients"),
+    (lambda: distributed_callbacks(local_steps=10, ddp=True),
+     r'^local_steps=10 does not combine with ddp=True: DistributedDataParallel averages gradients at every step; '
+     r'pass one of them$'),
+])
+def test_impossible_combinations_are_refused_at_construction(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_averaging():
+    callbacks = distributed_callbacks(local_steps=20, outer_lr=0.5, compression='bf16')
+    assert isinstance(callbacks[-1], DiLoCo) and callbacks[-1].local_steps == 20
+    assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.9, nesterov=True, compression='bf16')
+    assert not any(isinstance(c, torchbearer_dist.AllReduceGradients) for c in callbacks)

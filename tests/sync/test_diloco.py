@@ -1,0 +1,131 @@
+"""DiLoCo's outer step (sync/diloco.py): the pseudo-gradient average, the outer optimizer, identical replicas.
+
+The references are written out by hand: the anchor minus the mean of the ranks' pseudo-gradients
+times the outer learning rate (no momentum), and torch's own SGD with Nesterov momentum on the mean.
+"""
+import pytest
+import torch
+from torch import nn
+
+from torchbearer_dist.sync.diloco import OuterStep, check_options, check_parameters
+
+from _dist import run_in_step, run_workers, scenario_values, world_of_one  # noqa: I001 (tests/ on sys.path)
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(outer_lr=0), r'^outer_lr should be a number > 0, but given 0$'),
+    (dict(outer_lr='1'), r"^outer_lr should be a number >= 0, but given '1'$"),
+    (dict(outer_momentum=1.0), r'^outer_momentum should be a number >= 0 and < 1, but given 1.0$'),
+    (dict(nesterov=1), r'^nesterov should be True or False, but given 1$'),
+    (dict(compression='int8'), r"^compression should be None, 'fp16' or 'bf16' \(the dtype pseudo-gradients travel "
+                               r"in\), but given 'int8'$"),
+    (dict(compression='powersgd'), r"^compression='powersgd' does not combine with local steps"),
+])
+def test_bad_options_are_refused_in_one_line(kwargs, message):
+    options = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression=None)
+    options.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        check_options(**options)
+
+
+def test_an_integer_parameter_is_refused_by_name():
+    p = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match=r"^parameter 'counts' \(int64, torch.strided\) cannot take local steps"):
+        check_parameters([('w', nn.Parameter(torch.zeros(2))), ('counts', p)])
+
+
+def test_in_a_world_of_one_outer_lr_one_without_momentum_keeps_the_local_weights():
+    with world_of_one():
+        model = nn.Linear(3, 2)
+        outer = OuterStep(list(model.parameters()), outer_lr=1.0, outer_momentum=0.0)
+        start = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(0.5)
+        local = model.weight.detach().clone()
+        assert outer.step() is False
+        torch.testing.assert_close(model.weight, local, rtol=0, atol=1e-7)
+        torch.testing.assert_close(outer.anchor[0], local, rtol=0, atol=1e-7)
+        assert not torch.equal(local, start)
+
+
+def _local_weights(rank):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    anchor = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.full_like(p, 0.01 * (rank + 1) * (i + 1)))
+        model[1].running_mean.fill_(float(rank))
+        model[1].num_batches_tracked.fill_(5 + rank)
+    return model, anchor
+
+
+def _scenario_step(compression, momentum, rank):
+    model, anchor = _local_weights(rank)
+    outer = OuterStep(list(model.parameters()), list(model.buffers()), outer_lr=0.5, outer_momentum=momentum,
+                      compression=compression)
+    for a, saved in zip(outer.anchor, anchor):
+        a.copy_(saved)
+    stop = outer.step(stop=rank == 1)
+    second = [p.detach().clone() for p in model.parameters()]
+    outer.step()
+    return {'stop': stop, 'state': {k: v.clone() for k, v in model.state_dict().items()}, 'second': second,
+            'anchor': anchor, 'saved': outer.state_dict()}
+
+
+def _worker_steps():
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    scenarios = [('{}_{}'.format(c, m), (lambda c=c, m=m: _scenario_step(c, m, rank)))
+                 for c in (None, 'fp16', 'bf16') for m in (0.0, 0.9)]
+    return run_in_step(scenarios)
+
+
+@pytest.fixture(scope='module')
+def steps():
+    return run_workers(_worker_steps, 2, deadline=60)
+
+
+def _expected_first_step(momentum, anchor):
+    """Both ranks' pseudo-gradients by hand: anchor - local = -0.01 (r + 1) (i + 1); the mean over r = 0, 1."""
+    mean = [torch.full_like(a, -0.015 * (i + 1)) for i, a in enumerate(anchor)]
+    params = [a.clone() for a in anchor]
+    for p, g in zip(params, mean):
+        p.grad = g
+    torch.optim.SGD(params, lr=0.5, momentum=momentum, nesterov=momentum > 0).step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize('compression', [None, 'fp16', 'bf16'])
+@pytest.mark.parametrize('momentum', [0.0, 0.9])
+def test_every_rank_holds_the_same_weights_bit_for_bit_the_outer_step_of_the_mean(steps, compression, momentum):
+    rank0, rank1 = scenario_values(steps, '{}_{}'.format(compression, momentum))
+    for name in rank0['state']:
+        assert torch.equal(rank0['state'][name], rank1['state'][name]), name
+    expected = _expected_first_step(momentum, rank0['anchor'])
+    tolerance = {None: 1e-7, 'fp16': 1e-4, 'bf16': 2e-3}[compression]
+    for got, want in zip(rank0['second'], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    assert rank0['stop'] is True and rank1['stop'] is True  # rank 1 asked; every rank hears it
+    # The BatchNorm running mean (0 on rank 0, 1 on rank 1) is averaged; the integer counter is rank 0's.
+    assert torch.equal(rank0['state']['1.running_mean'], torch.full((3,), 0.5))
+    assert rank0['state']['1.num_batches_tracked'].item() == 5
+    assert rank0['saved']['steps'] == 2 and len(rank0['saved']['anchor']) == 4
+
+
+def test_state_dict_round_trip_restores_the_anchor_and_the_momentum():
+    with world_of_one():
+        model = nn.Linear(3, 2)
+        outer = OuterStep(list(model.parameters()))
+        with torch.no_grad():
+            model.weight.add_(0.1)
+        outer.step()
+        saved = outer.state_dict()
+        other = OuterStep(list(nn.Linear(3, 2).parameters()))
+        other.load_state_dict(saved)
+        for a, b in zip(other.anchor, outer.anchor):
+            assert torch.equal(a, b)
+        momentum = other.outer.state_dict()['state'][0]['momentum_buffer']
+        assert torch.equal(momentum, outer.outer.state_dict()['state'][0]['momentum_buffer'])
+        with pytest.raises(ValueError, match=r'^the saved anchor holds 2 tensors that do not match the 4 parameters'):
+            OuterStep(list(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).parameters())).load_state_dict(saved)

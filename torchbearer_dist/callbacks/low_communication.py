@@ -1,0 +1,302 @@
+"""Low-communication training in a Trial: :class:`DiLoCo`, a thin callback over :mod:`torchbearer_dist.sync.diloco`."""
+import copy
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+import torchbearer
+from torch.nn.parallel import DistributedDataParallel
+from torchbearer import Callback
+
+from torchbearer_dist.callbacks import _held
+from torchbearer_dist.callbacks.stop import AgreeOnStop
+from torchbearer_dist.sync import collectives, models
+from torchbearer_dist.sync.diloco import OuterStep, check_options, check_parameters
+
+
+def _tensor_leaves(optimizer_state):
+    """The tensors of an optimizer's ``state_dict()['state']``, in a fixed order (parameter index, then name)."""
+    leaves = []
+    for index in sorted(optimizer_state['state']):
+        entry = optimizer_state['state'][index]
+        leaves.extend(entry[name] for name in sorted(entry) if isinstance(entry[name], torch.Tensor))
+    return leaves
+
+
+def _with_leaves(optimizer_state, tensors):
+    """A copy of ``optimizer_state`` whose tensors, in :func:`_tensor_leaves`' order, are ``tensors``."""
+    tensors = iter(tensors)
+    state = {index: {name: next(tensors) if isinstance(value, torch.Tensor) else value
+                     for name, value in sorted(entry.items())}
+             for index, entry in sorted(optimizer_state['state'].items())}
+    return {'state': state, 'param_groups': copy.deepcopy(optimizer_state['param_groups'])}
+
+
+class _StopCarrier:
+    """What :class:`AgreeOnStop` asks of gradient buckets: a stop request travels with the next outer step."""
+
+    def __init__(self):
+        self.synced = False  # an outer step ran in this training step
+        self.stop = False  # and some rank asked to stop in it
+        self.requested = False
+
+    def request_stop(self):
+        self.requested = True
+
+
+class DiLoCo(Callback):
+    """Train H steps locally on every rank, then average the pseudo-gradients and take an outer step.
+
+    DiLoCo (Douillard et al., 2023) for links slower than the compute: each rank steps its own
+    optimizer on its own batches for ``local_steps`` steps with no communication; then every rank
+    sends the *pseudo-gradient* (the anchor, the weights all ranks held after the last outer step,
+    minus its local weights) once, the average steps an outer optimizer (SGD with Nesterov momentum)
+    on the anchor, and every rank continues from the new anchor. One message per ``local_steps``
+    steps instead of one per step.
+
+    **What it is.** Not one process at N x B: between outer steps each rank follows its own
+    gradients. What is averaged at each outer step: the pseudo-gradients of every parameter the
+    Trial trains (``state[MODEL]``'s and every optimizer's in the state, a GAN's discriminator
+    included), and the floating buffers (BatchNorm running statistics; integer buffers are copied
+    from rank 0). What stays local: the inner optimizer's state (momentum, Adam's moments) and the
+    weights between outer steps. The one equivalence: ``local_steps=1``, ``outer_lr=1``,
+    ``outer_momentum=0`` and plain SGD inside is gradient averaging (one process at N x B).
+
+    After every outer step every rank holds the same weights, bit for bit, and the divergence
+    sentinel compares them (one small all-reduce). The outer step runs right after
+    ``state[OPTIMIZER]`` steps, before any ``on_step_training`` callback, and once more at the end of
+    each training pass for the steps since the last one, so that validation, checkpoints at the epoch
+    end and predictions see one model. A stop requested by any rank (TerminateOnNaN, EarlyStopping,
+    a pre-emption) travels with the next outer step, and every rank stops there.
+
+    A step checkpoint (:class:`~torchbearer_dist.Checkpoint`) holds the anchor, the outer optimizer's
+    state and, between two outer steps, every rank's local weights and inner optimizer state
+    (gathered on rank 0): a run resumed from it at the same world size ends bit-identical to one
+    never interrupted. At another world size every rank starts again from the anchor.
+
+    Example: ::
+
+        >>> from torchbearer import Trial
+        >>> import torchbearer_dist as tbd
+        >>> trial = Trial(model, optimizer, loss, callbacks=[*tbd.distributed_callbacks(local_steps=50)])
+
+    Args:
+        local_steps (int): H, the optimizer steps each rank takes between two outer steps
+        outer_lr (float): the outer optimizer's learning rate (the paper's 0.7)
+        outer_momentum (float): the outer optimizer's momentum (the paper's 0.9; 0 for none)
+        nesterov (bool): Nesterov momentum in the outer optimizer
+        compression (str): the dtype pseudo-gradients travel in: None (the parameters' own, fp32),
+            ``'bf16'`` or ``'fp16'`` (half the bytes); the anchor and the outer step stay in full precision
+        check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
+
+    Raises:
+        ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``); at
+            the start of a run, a DistributedDataParallel model, an optimizer without step hooks, or a
+            parameter that is not dense real floating (named)
+        RuntimeError: the divergence sentinel found a tensor that differs across ranks after an outer step
+
+    State Requirements:
+        - :attr:`torchbearer.state.MODEL`: the model trained locally
+        - :attr:`torchbearer.state.OPTIMIZER`: the inner optimizer; its step starts the outer step
+        - any other key holding an ``nn.Module`` or an optimizer: its parameters and buffers are averaged too
+
+    .. warning:: A synchronization point at every outer step and at the end of every training pass: every
+        rank must run the same number of steps (see :class:`EvenBatches`).
+    """
+
+    def __init__(self, local_steps=50, outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression=None,
+                 check_divergence=True):
+        super().__init__()
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError('local_steps should be an integer >= 1, but given {!r}'.format(local_steps))
+        check_options(outer_lr, outer_momentum, nesterov, compression)
+        if not isinstance(check_divergence, bool):
+            raise ValueError('check_divergence should be True or False, but given {!r}'.format(check_divergence))
+        self.local_steps = local_steps
+        self.options = dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                            compression=compression)
+        self.check_divergence = check_divergence
+        self.engine = None
+        self.inner_steps = 0  # optimizer steps since the last outer step
+        self._pending = None  # a loaded state, applied once the run has its models
+        self._gathered = None  # every rank's local state, on rank 0, for the step checkpoint being written
+        self._hook = None
+        self._fresh = False  # the first training pass of a run
+        self._armed = False
+        self._state = None
+        self.buckets = _StopCarrier()
+        # The stop agreement is held, not inherited: its companion calls _after_step after every other callback.
+        self._agreement = AgreeOnStop()
+        self._agreement.gradients = weakref.proxy(self)
+
+    # --- the run -------------------------------------------------------------------------------------------
+
+    def on_start(self, state):
+        self._remove_hook()
+        self._fresh = True
+        if collectives.world_size() == 1:
+            return
+        if isinstance(state[torchbearer.MODEL], DistributedDataParallel):
+            raise ValueError('the model is DistributedDataParallel, which averages gradients at every step: DiLoCo '
+                             'needs a plain model; drop wrap_ddp (or distributed_callbacks(ddp=True))')
+        optimizer = state.get(torchbearer.OPTIMIZER)
+        if not callable(getattr(optimizer, 'register_step_post_hook', None)):
+            raise ValueError('state[optimizer] ({}) has no register_step_post_hook, which DiLoCo needs to take its '
+                             'outer step after the inner one; pass a torch.optim.Optimizer'.format(
+                                 type(optimizer).__name__))
+        check_parameters(_held.trainable(state))  # before any collective of the run
+
+    def on_start_training(self, state):
+        self._agreement.on_start_training(state)
+        if collectives.world_size() == 1:
+            return
+        params = [p for _, p in _held.trainable(state)]
+        fresh, self._fresh = self._fresh, False
+        if self.engine is None or not self.engine.same_params(params):
+            self.engine = OuterStep(params, self._buffers(state), **self.options)  # the anchor: rank 0's weights
+            self.inner_steps = 0
+        else:
+            self.engine.buffers = self._buffers(state)
+            if fresh and self._pending is None:
+                self._restart(state)
+        if self._pending is not None:
+            self._resume(state, self._pending)
+            self._pending = None
+        if self._hook is None:
+            self._state = weakref.ref(state)
+            self._hook = state[torchbearer.OPTIMIZER].register_step_post_hook(self._after_inner_step)
+
+    def _restart(self, state):
+        """A new run of the same models: from the weights as they are, or from the anchor after a run that raised."""
+        if self.inner_steps > 0:  # the ranks' weights differ: go on from the last point they shared
+            with torch.no_grad():
+                for p, a in zip(self.engine.params, self.engine.anchor):
+                    p.copy_(a)
+            self.inner_steps = 0
+        else:
+            self.engine.reset_anchor()
+
+    @staticmethod
+    def _buffers(state):
+        seen, buffers = set(), []
+        for _, module in _held.held_modules(state):
+            for buffer in module.buffers():
+                if id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    buffers.append(buffer)
+        return buffers
+
+    def on_sample(self, state):
+        self.buckets.synced = self.buckets.stop = False
+        self._gathered = None
+        self._armed = self.engine is not None
+
+    def _after_inner_step(self, optimizer, args, kwargs):
+        if not self._armed:  # a step outside the Trial's training steps stays local
+            return
+        self._armed = False
+        self.inner_steps += 1
+        if self.inner_steps >= self.local_steps:
+            self._outer_step(self._state())
+
+    def _outer_step(self, state):
+        requested, self.buckets.requested = self.buckets.requested, False
+        self.buckets.stop = self.engine.step(stop=requested)
+        self.buckets.synced = True
+        self.inner_steps = 0
+        self._check_divergence(state)
+
+    def _after_step(self, state):
+        """Called by the stop agreement's companion after every other callback of the step."""
+
+    def on_end_training(self, state):
+        self._armed = False
+        if self.engine is not None and self.inner_steps > 0:
+            self._outer_step(state)
+
+    def on_end(self, state):
+        self._agreement.on_end(state)
+        self._remove_hook()
+
+    def _remove_hook(self):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _check_divergence(self, state):
+        if not self.check_divergence:
+            return
+        differing = models.differing_tensors(_held.synchronised(state))
+        if differing:
+            raise RuntimeError("replicas diverged after outer step {} (epoch {}): '{}' differs across ranks; something "
+                               "updated it on one rank only, or outside the models and optimizers trial.state holds "
+                               "(store it there); DiLoCo(check_divergence=False) turns this check off".format(
+                                   self.engine.steps, state.get(torchbearer.EPOCH), differing[0]))
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+
+    def gather_for_checkpoint(self, state):
+        """Send every rank's local weights and inner optimizer state to rank 0, for a step checkpoint.
+
+        Called by :class:`~torchbearer_dist.Checkpoint` on every rank just before it writes a step
+        checkpoint; nothing travels at an outer-step boundary, where every rank holds the anchor.
+
+        .. warning:: A synchronization point: every rank must call it at the same step.
+        """
+        self._gathered = None
+        if self.engine is None or self.inner_steps == 0 or collectives.world_size() == 1:
+            return
+        optimizer = copy.deepcopy(state[torchbearer.OPTIMIZER].state_dict())
+        leaves = list(self.engine.params) + list(self.engine.buffers) + _tensor_leaves(optimizer)
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in leaves]) if leaves else \
+            torch.zeros(0, dtype=torch.float64)  # float64 holds every float32, half and int32 value exactly
+        size = torch.tensor([flat.numel(), -flat.numel()], dtype=torch.int64)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX)
+        if size[0] != -size[1]:
+            raise RuntimeError('the inner optimizer holds state of different sizes on different ranks ({} to {} '
+                               'values), so a step checkpoint cannot hold it; give every parameter a gradient on '
+                               'every rank'.format(-int(size[1]), int(size[0])))
+        everyone = [torch.empty_like(flat) for _ in range(collectives.world_size())] if collectives.rank() == 0 \
+            else None
+        dist.gather(flat, everyone, dst=0)  # one fixed-shape gather: no pickling
+        if everyone is None:
+            return
+        self._gathered = []
+        for values in everyone:
+            tensors, offset = [], 0
+            for t in leaves:
+                tensors.append(values[offset:offset + t.numel()].to(t.dtype).view_as(t).clone())
+                offset += t.numel()
+            n, m = len(self.engine.params), len(self.engine.buffers)
+            self._gathered.append({'params': tensors[:n], 'buffers': tensors[n:n + m],
+                                   'optimizer': _with_leaves(optimizer, tensors[n + m:])})
+
+    def state_dict(self):
+        if self.engine is None:
+            return self._pending
+        return {'inner_steps': self.inner_steps, 'engine': self.engine.state_dict(), 'local': self._gathered}
+
+    def load_state_dict(self, state_dict):
+        self._pending = state_dict  # applied in on_start_training, after rank 0's weights are everywhere
+
+    def _resume(self, state, saved):
+        self.engine.load_state_dict(saved['engine'])
+        local = saved.get('local')
+        with torch.no_grad():
+            if saved['inner_steps'] and local is not None and len(local) == collectives.world_size():
+                mine = local[collectives.rank()]
+                for p, value in zip(self.engine.params, mine['params']):
+                    p.copy_(value)
+                for b, value in zip(self.engine.buffers, mine['buffers']):
+                    b.copy_(value)
+                state[torchbearer.OPTIMIZER].load_state_dict(mine['optimizer'])
+                self.inner_steps = saved['inner_steps']
+                return
+            if saved['inner_steps'] and collectives.rank() == 0:
+                warnings.warn('the checkpoint was written {} local steps after an outer step at world size {}; at '
+                              'world size {} every rank starts again from the anchor'.format(
+                                  saved['inner_steps'], len(local or ()), collectives.world_size()), stacklevel=2)
+            for p, a in zip(self.engine.params, self.engine.anchor):
+                p.copy_(a)
+        self.inner_steps = 0

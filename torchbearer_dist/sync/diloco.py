@@ -1,0 +1,176 @@
+"""Low-communication training, torch only: DiLoCo's outer step over a shared anchor.
+
+Each rank trains its own copy of the model for some local steps; then :meth:`OuterStep.step` averages
+the *pseudo-gradient* (the anchor, the weights every rank held after the last outer step, minus the
+local weights) over all ranks, lets an outer optimizer (SGD with Nesterov momentum by default) step
+the anchor with it, and copies the new anchor into every rank's parameters. Floating buffers
+(BatchNorm statistics) are averaged at the same time, other buffers copied from rank 0. Every rank
+then holds the same values, bit for bit: the all-reduce hands every rank the same sums, and the outer
+step is the same arithmetic on the same numbers. The inner optimizer is not touched: its state
+(momentum, Adam's moments) stays each rank's own.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023).
+"""
+import torch
+import torch.distributed as dist
+
+from torchbearer_dist.sync import collectives
+
+#: The dtypes a pseudo-gradient may travel in; None: each parameter's own dtype.
+WIRE_DTYPES = {None: None, 'fp16': torch.float16, 'bf16': torch.bfloat16}
+
+
+def _number(name, value, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or \
+            (high is not None and value >= high):
+        bound = '>= {}'.format(low) + ('' if high is None else ' and < {}'.format(high))
+        raise ValueError('{} should be a number {}, but given {!r}'.format(name, bound, value))
+
+
+def check_options(outer_lr, outer_momentum, nesterov, compression):
+    """Raise ValueError, naming the value and the fix, for a bad outer optimizer option or wire dtype."""
+    _number('outer_lr', outer_lr, 0)
+    if outer_lr == 0:
+        raise ValueError('outer_lr should be a number > 0, but given {!r}'.format(outer_lr))
+    _number('outer_momentum', outer_momentum, 0, 1)
+    if not isinstance(nesterov, bool):
+        raise ValueError('nesterov should be True or False, but given {!r}'.format(nesterov))
+    if compression == 'powersgd':
+        raise ValueError("compression='powersgd' does not combine with local steps: PowerSGD compresses every step's "
+                         "gradients, local steps send a pseudo-gradient every few steps; pass compression=None, 'fp16' "
+                         "or 'bf16'")
+    if compression not in WIRE_DTYPES:
+        raise ValueError("compression should be None, 'fp16' or 'bf16' (the dtype pseudo-gradients travel in), but "
+                         "given {!r}".format(compression))
+
+
+def check_parameters(named_params):
+    """Raise ValueError, naming the parameter, for one the outer step cannot average (not dense and real floating)."""
+    for name, p in named_params:
+        if p.layout != torch.strided or not p.is_floating_point():
+            raise ValueError("parameter '{}' ({}, {}) cannot take local steps: only dense real floating parameters "
+                             "can; freeze it (requires_grad=False) or train with AllReduceGradients".format(
+                                 name, str(p.dtype).replace('torch.', ''), p.layout))
+
+
+class OuterStep:
+    """The anchor, the outer optimizer and the all-reduce of the pseudo-gradient: DiLoCo's outer step.
+
+    Example:
+
+        .. code-block:: python
+
+            from torchbearer_dist.sync.diloco import OuterStep
+            outer = OuterStep(list(model.parameters()), list(model.buffers()))
+            for i, (x, y) in enumerate(loader):       # every rank its own shard
+                inner.zero_grad(); loss_fn(model(x), y).backward(); inner.step()
+                if (i + 1) % 50 == 0:
+                    outer.step()                      # every rank now holds the same weights
+
+    Args:
+        params (list): the parameters trained locally, in the same order on every rank (floating, dense)
+        buffers (list): buffers averaged (floating) or copied from rank 0 (others) at each outer step
+        outer_lr (float): the outer optimizer's learning rate (0.7 in the DiLoCo paper)
+        outer_momentum (float): its momentum (0.9 in the paper; 0 for none)
+        nesterov (bool): Nesterov momentum (with ``outer_momentum`` > 0)
+        compression (str): the dtype pseudo-gradients travel in: None (each parameter's own), ``'fp16'``
+            or ``'bf16'``; the anchor, the outer step and the buffers stay in full precision
+
+    .. warning:: :meth:`step` is a synchronization point: every rank must call it at the same step.
+    """
+
+    def __init__(self, params, buffers=(), outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression=None):
+        check_options(outer_lr, outer_momentum, nesterov, compression)
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self.wire = WIRE_DTYPES[compression]
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
+                                     nesterov=nesterov and outer_momentum > 0) if self.anchor else None
+        self.steps = 0
+
+    def same_params(self, params):
+        """Whether ``params`` are the tensors this engine was built over, in order."""
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
+
+    def reset_anchor(self):
+        """Take the current parameters as the anchor (after they were copied from rank 0, or loaded)."""
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params):
+                a.copy_(p)
+
+    @torch.no_grad()
+    def step(self, stop=False):
+        """Average the pseudo-gradients and buffers, step the anchor, copy it into the parameters.
+
+        Args:
+            stop (bool): this rank asks every rank to stop; the flag travels with the buffers
+
+        Returns:
+            bool: whether any rank asked to stop
+
+        .. warning:: A synchronization point: every rank must call it.
+        """
+        world = collectives.world_size()
+        groups = {}
+        for i, p in enumerate(self.params):
+            groups.setdefault(p.dtype, []).append(i)
+        for dtype in sorted(groups, key=str):  # the same order on every rank
+            indices = groups[dtype]
+            flat = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in indices])
+            if world > 1:
+                flat.div_(world)  # before the sum: a half-precision sum cannot overflow where the mean does not
+                wire = flat if self.wire is None else flat.to(self.wire)
+                dist.all_reduce(wire)
+                flat = wire.to(dtype)
+            offset = 0
+            for i in indices:
+                n = self.anchor[i].numel()
+                self.anchor[i].grad = flat[offset:offset + n].view_as(self.anchor[i])
+                offset += n
+        if self.outer is not None:
+            self.outer.step()
+            for a, p in zip(self.anchor, self.params):
+                a.grad = None
+                p.copy_(a)
+        self.steps += 1
+        return self._average_buffers(stop) if world > 1 else bool(stop)
+
+    def _average_buffers(self, stop):
+        floating = [b for b in self.buffers if b.is_floating_point()]
+        device = floating[0].device if floating else (self.params[0].device if self.params else torch.device('cpu'))
+        flat = torch.cat([b.reshape(-1).to(torch.float64) for b in floating] +
+                         [torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)])
+        dist.all_reduce(flat)
+        offset = 0
+        for b in floating:
+            n = b.numel()
+            b.copy_((flat[offset:offset + n] / collectives.world_size()).view_as(b))
+            offset += n
+        others = [b for b in self.buffers if not b.is_floating_point()]
+        for b in others:
+            dist.broadcast(b, 0)
+        return bool(flat[-1].item() > 0)
+
+    def state_dict(self):
+        """The anchor, the outer optimizer's state and the number of outer steps: plain values and tensors."""
+        return {'anchor': [a.detach().clone() for a in self.anchor],
+                'outer': self.outer.state_dict() if self.outer is not None else None, 'steps': self.steps}
+
+    def load_state_dict(self, state):
+        """Restore what :meth:`state_dict` returned, for the same parameters.
+
+        Raises:
+            ValueError: the saved anchor does not match the parameters (another model)
+        """
+        anchor = state['anchor']
+        if len(anchor) != len(self.anchor) or any(a.shape != b.shape for a, b in zip(anchor, self.anchor)):
+            raise ValueError('the saved anchor holds {} tensors that do not match the {} parameters trained here; '
+                             'resume with the model that wrote the checkpoint'.format(len(anchor), len(self.anchor)))
+        with torch.no_grad():
+            for a, saved in zip(self.anchor, anchor):
+                a.copy_(saved)
+        if self.outer is not None and state['outer'] is not None:
+            self.outer.load_state_dict(state['outer'])
+        self.steps = state['steps']
