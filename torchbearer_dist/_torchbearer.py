@@ -13,7 +13,11 @@ fails on the pinned torchbearer if any of them moved.
 - ``TorchScheduler._scheduler``: the torch scheduler a checkpoint saves and restores.
 - ``CallbackListInjection.callback``: the printer or prediction collector that ``Trial.run``,
   ``evaluate`` and ``predict`` inject in front of the Trial's callbacks.
+- ``CallbackList.callback_list``: the Python list a Trial calls in order; the one list this package
+  edits for a run (AgreeOnStop's and ReduceMetrics' companions go last; RankZeroOutput's stand-ins).
+- ``Tqdm._loader``: the bar ``run(verbose=1)`` drew before any callback could act, erased on ranks > 0.
 """
+from torchbearer.callbacks import CallbackList, Tqdm
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 from torchbearer_dist._once import warn_once
@@ -22,6 +26,10 @@ try:
     from torchbearer.callbacks.checkpointers import _Checkpointer as CHECKPOINTER
 except ImportError:  # pragma: no cover - a torchbearer without it
     CHECKPOINTER = None
+try:
+    from torchbearer.trial import CallbackListInjection
+except ImportError:  # pragma: no cover - a torchbearer without it
+    CallbackListInjection = None
 
 _LOST = 'torchbearer_dist: torchbearer {} has no {}; {}'
 
@@ -86,9 +94,30 @@ def torch_scheduler(callback):
     return callback._scheduler
 
 
+_INJECTED_LOST = ('ranks > 0 show the progress bar a verbose= given to run, evaluate or predict asks for, and '
+                  'ReduceMetrics cannot tell predict() from evaluate(): predictions are not gathered')
+
+
 def injected(callbacks):
     """The callback ``Trial.run``, ``evaluate`` or ``predict`` injected in front of ``callbacks``, or None."""
-    return getattr(callbacks, 'callback', None) if hasattr(callbacks, 'callback_list') else None
+    if CallbackListInjection is None:
+        _lost('torchbearer.trial.CallbackListInjection', _INJECTED_LOST)
+        return None
+    if not isinstance(callbacks, CallbackListInjection):
+        return None
+    if not hasattr(callbacks, 'callback') or not isinstance(getattr(callbacks, 'callback_list', None), CallbackList):
+        _lost('CallbackListInjection.callback / .callback_list', _INJECTED_LOST)
+        return None
+    return callbacks.callback
+
+
+def injections(callbacks):
+    """Every callback injected in front of ``callbacks``, outermost first (``predict``: a printer, a collector)."""
+    found = []
+    while injected(callbacks) is not None:
+        found.append(callbacks.callback)
+        callbacks = callbacks.callback_list
+    return found
 
 
 def replace_injected(callbacks, callback):
@@ -96,5 +125,41 @@ def replace_injected(callbacks, callback):
     callbacks.callback = callback
 
 
-__all__ = ['CHECKPOINTER', 'checkpointer_types', 'gather_epoch_outputs', 'injected', 'mean_dim',
-           'replace_injected', 'torch_scheduler']
+_LIST_LOST = ('the Trial\'s callback list cannot be edited: AgreeOnStop\'s and ReduceMetrics\' companions do not run '
+              'last (a stop asked on one rank leaves the others waiting in their next collective; a summed loss is '
+              'not scaled by the number of ranks) and RankZeroOutput cannot silence printers, loggers and '
+              'checkpointers on ranks > 0')
+
+
+def callback_list(callbacks):
+    """The Python list that a Trial's CallbackList calls in order, under any injection: the list to edit for a run.
+
+    Args:
+        callbacks (torchbearer.callbacks.CallbackList): ``state[torchbearer.CALLBACK_LIST]``
+
+    Returns:
+        list: that list itself; when torchbearer moved it (warned once), a copy, whose edits change nothing
+    """
+    inner = callbacks
+    while isinstance(inner, CallbackList):
+        inner = getattr(inner, 'callback_list', None)  # CallbackListInjection wraps the Trial's CallbackList
+        if isinstance(inner, list):
+            return inner
+    _lost('CallbackList.callback_list', _LIST_LOST)
+    return list(callbacks)
+
+
+def close_bar(printer):
+    """Erase and close the bar a ``Tqdm`` printer drew, if it drew one (``run(verbose=1)``'s per-epoch bar)."""
+    if not isinstance(printer, Tqdm):
+        return
+    if not hasattr(printer, '_loader'):
+        _lost('Tqdm._loader', 'on ranks > 0 the first line of run(verbose=1)\'s per-epoch bar stays on the screen')
+        return
+    if printer._loader is not None:
+        printer._loader.leave = False
+        printer._loader.close()
+
+
+__all__ = ['CHECKPOINTER', 'callback_list', 'checkpointer_types', 'close_bar', 'gather_epoch_outputs', 'injected',
+           'injections', 'mean_dim', 'replace_injected', 'torch_scheduler']

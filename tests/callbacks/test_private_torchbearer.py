@@ -10,11 +10,12 @@ import torchbearer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchbearer import Callback, Trial
-from torchbearer.callbacks import Best, MostRecent
+from torchbearer.callbacks import Best, CallbackList, MostRecent
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 from torchbearer.callbacks.printer import Tqdm
 from torchbearer.callbacks.torch_scheduler import StepLR
 from torchbearer.metrics import EpochLambda, Mean, Std, Var
+from torchbearer.trial import CallbackListInjection
 
 from torchbearer_dist import _once, _torchbearer
 
@@ -50,10 +51,8 @@ class _Seen(Callback):
         self.injected, self.scheduler = [], None
 
     def on_start(self, state):
-        callbacks = state[torchbearer.CALLBACK_LIST]
-        while _torchbearer.injected(callbacks) is not None:  # predict injects a printer, then the collector
-            self.injected.append(type(_torchbearer.injected(callbacks)))
-            callbacks = callbacks.callback_list
+        # predict injects a printer, then the collector
+        self.injected += [type(c) for c in _torchbearer.injections(state[torchbearer.CALLBACK_LIST])]
 
     def on_end(self, state):
         for callback in self.trial_callbacks:
@@ -75,3 +74,69 @@ def test_injected_printer_and_collector_and_the_scheduler_are_found():
         trial.predict(data_key=torchbearer.TRAIN_DATA, verbose=0)
     assert seen.injected == [Tqdm, Callback, AggregatePredictions]  # run's bar; predict's silent printer, collector
     assert isinstance(seen.scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+class _Last(Callback):
+    """Appended to the Trial's list inside the run: the list torchbearer calls is the one edited."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+
+    def on_step_training(self, state):
+        self.order.append('last')
+
+
+class _Editor(Callback):
+    def __init__(self):
+        super().__init__()
+        self.order, self.bar = [], None
+
+    def on_start(self, state):
+        printer = _torchbearer.injected(state[torchbearer.CALLBACK_LIST])  # run(verbose=1)'s per-epoch bar
+        self.bar = printer._loader
+        _torchbearer.close_bar(printer)
+
+    def on_start_training(self, state):
+        _torchbearer.callback_list(state[torchbearer.CALLBACK_LIST]).append(_Last(self.order))
+
+    def on_step_training(self, state):
+        self.order.append('editor')
+
+
+def test_the_callback_list_a_run_calls_is_the_one_edited_and_the_epoch_bar_is_closed():
+    editor = _Editor()
+    model = nn.Linear(2, 1)
+    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), callbacks=[editor], verbose=0)
+    trial.with_generators(train_generator=DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)),
+                                                     batch_size=2))
+    _once._given.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        trial.run(1, verbose=1)  # injects a Tqdm printer in front of the Trial's list
+    assert editor.order == ['editor', 'last', 'editor', 'last']
+    assert editor.bar is not None and editor.bar.leave is False and editor.bar.disable  # tqdm's closed state
+
+
+def _moved(call, match):
+    """Run ``call`` as on a torchbearer that moved an internal: one RuntimeWarning naming the guarantee lost."""
+    _once._given.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        first, second = call(), call()
+    lost = [w for w in caught if match in str(w.message)]
+    assert len(lost) == 1 and issubclass(lost[0].category, RuntimeWarning), [str(w.message) for w in caught]
+    return first, second
+
+
+def test_each_moved_internal_warns_once_naming_the_guarantee_lost():
+    moved = CallbackList([])
+    moved.callback_list = ()  # not a list: the structure moved
+    first, _ = _moved(lambda: _torchbearer.callback_list(moved), 'a stop asked on one rank')
+    assert first == [] and first is not moved.callback_list
+    injection = CallbackListInjection(Callback(), CallbackList([]))
+    del injection.callback
+    assert _moved(lambda: _torchbearer.injected(injection), 'predictions are not gathered') == (None, None)
+    printer = Tqdm()
+    del printer._loader
+    _moved(lambda: _torchbearer.close_bar(printer), "run(verbose=1)'s per-epoch bar stays")

@@ -78,14 +78,30 @@ OBJECT_COLLECTIVES = ('broadcast_object_list', 'all_gather_object', 'gather_obje
                       'send_object_list', 'recv_object_list')
 
 
-def test_library_source_never_calls_object_collectives():
-    package = os.path.join(ROOT, 'torchbearer_dist')
-    for name in sorted(os.listdir(package)):
-        if name.endswith('.py'):
-            with open(os.path.join(package, name)) as f:
+def _object_collective_uses(package):
+    """(files read, '<path> uses <collective>' for each use) over every .py file under ``package``, subpackages too."""
+    read, uses = 0, []
+    for folder, _, names in sorted(os.walk(package)):
+        for name in sorted(n for n in names if n.endswith('.py')):
+            path = os.path.join(folder, name)
+            with open(path) as f:
                 text = f.read()
-            for collective in OBJECT_COLLECTIVES:
-                assert collective not in text, '{} uses {}, which unpickles what peers send'.format(name, collective)
+            read += 1
+            uses += ['{} uses {}'.format(os.path.relpath(path, package), c) for c in OBJECT_COLLECTIVES if c in text]
+    return read, uses
+
+
+def test_library_source_never_calls_object_collectives():
+    read, uses = _object_collective_uses(os.path.join(ROOT, 'torchbearer_dist'))
+    assert read > 40, 'the scan read only {} files'.format(read)
+    assert uses == [], 'pickle-based collectives unpickle what peers send: {}'.format(uses)
+
+
+def test_the_object_collective_scan_reads_subpackages(tmp_path):
+    (tmp_path / 'sync').mkdir()
+    (tmp_path / 'sync' / 'gather.py').write_text('dist.broadcast_object_list(objects, src=0)\n')
+    uses = [os.path.join('sync', 'gather.py') + ' uses broadcast_object_list']
+    assert _object_collective_uses(str(tmp_path)) == (1, uses)
 
 
 def _worker_no_pickle(path):

@@ -55,11 +55,7 @@ def _trim(value, keep):
 
 def _predicting(callbacks):
     """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
-    while callbacks is not None:
-        if isinstance(_torchbearer.injected(callbacks), AggregatePredictions):
-            return True
-        callbacks = getattr(callbacks, 'callback_list', None)
-    return False
+    return any(isinstance(injected, AggregatePredictions) for injected in _torchbearer.injections(callbacks))
 
 
 def _padding_sampler(loader):

@@ -28,11 +28,12 @@ def _output_types():
 
 
 def _silence(callbacks):
-    for i, callback in enumerate(callbacks.callback_list):
+    listed = _torchbearer.callback_list(callbacks)
+    for i, callback in enumerate(listed):
         if isinstance(callback, CallbackList):
             _silence(callback)
         elif isinstance(callback, _output_types()) or isinstance(callback, RankZeroOnly):
-            callbacks.callback_list[i] = _Silent(callback)
+            listed[i] = _Silent(callback)
 
 
 class RankZeroOutput(Callback):
@@ -69,10 +70,7 @@ class RankZeroOutput(Callback):
             # bar starts later, in on_start_training or on_start_validation: it never draws. Only the
             # per-epoch bar of run(verbose=1) drew, in its own on_start before this one (its first line,
             # and after a resume the last epoch's metrics): that line is erased, and it draws no more.
-            bar = getattr(printer, '_loader', None)
-            if bar is not None:
-                bar.leave = False
-                bar.close()
+            _torchbearer.close_bar(printer)
             _torchbearer.replace_injected(callbacks, _Silent(printer))
 
     @staticmethod

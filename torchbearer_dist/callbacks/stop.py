@@ -4,6 +4,7 @@ import weakref
 import torchbearer
 from torchbearer import Callback
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.sync import collectives
 
 
@@ -30,10 +31,7 @@ class _LastWord(Callback):
 
 def _callback_list(state):
     """The Python list of callbacks that the Trial's own CallbackList iterates (under any injection)."""
-    callbacks = state[torchbearer.CALLBACK_LIST]
-    while not isinstance(callbacks.callback_list, list):
-        callbacks = callbacks.callback_list  # CallbackListInjection wraps the Trial's CallbackList
-    return callbacks.callback_list
+    return _torchbearer.callback_list(state[torchbearer.CALLBACK_LIST])
 
 
 class AgreeOnStop(Callback):

@@ -7,6 +7,10 @@ replaced): in ``on_start_training`` of the resumed epoch it swaps ``state[ITERAT
 batches not yet seen, sets ``state[STEPS]`` to their number (the loop's ``range`` is made right after
 ``on_start_training``), and wraps ``state[SAMPLER]`` so that from the first batch on every callback sees
 the epoch's true batch index and step count again.
+
+That loop is torchbearer's internal contract, not an API: ``tests/checkpoint/test_private_midepoch.py``
+fails on the pinned torchbearer if it moved, and a resumed epoch that sees it moved (the iterator
+missing, the loop counting from another index or past the batches left) warns once (:data:`LOST`).
 """
 import random
 
@@ -17,7 +21,17 @@ import torchbearer
 from torch.utils.data import BatchSampler, DataLoader
 
 from torchbearer_dist import data
+from torchbearer_dist._once import warn_once
 from torchbearer_dist.sync import collectives
+
+LOST = ('torchbearer_dist: torchbearer {} no longer runs its training pass as ``for state[BATCH] in '
+        'range(state[STEPS]): state[SAMPLER](state)`` over state[ITERATOR] made before on_start_training ({}); '
+        'an epoch resumed from a step checkpoint may train again batches trained before the interruption: '
+        'resume from epoch checkpoints (Checkpoint without every_steps or every_seconds)')
+
+
+def _lost(what):
+    warn_once(LOST.format(torchbearer.__version__, what))
 
 
 def rng_state(epoch_torch=None):
@@ -115,6 +129,8 @@ def resume_epoch(state, position, epoch_torch):
     Returns:
         int: the batch index the epoch goes on from (the batches done, at the same world size)
     """
+    if state.get(torchbearer.ITERATOR) is None or not callable(state.get(torchbearer.SAMPLER)):
+        _lost('no iterator or sampler in state at on_start_training')
     loader, steps = state[torchbearer.GENERATOR], state[torchbearer.STEPS]
     done, saved_world = position['batches'], position['world_size']
     sampler = data.distributed_sampler(loader)
@@ -136,12 +152,15 @@ def resume_epoch(state, position, epoch_torch):
         for _ in range(skip):
             load(state)
     state[torchbearer.STEPS] = steps - skip  # the training loop's range(), made right after on_start_training
-    first = [True]
+    loaded = [0]
 
     def load_and_number(state):
-        if first[0]:
-            first[0] = False
+        if loaded[0] == 0:
             state[torchbearer.STEPS] = steps
+        if state[torchbearer.BATCH] != loaded[0] or loaded[0] >= steps - skip:
+            _lost('batch {} loaded as the {}th of the {} left'.format(state[torchbearer.BATCH], loaded[0] + 1,
+                                                                     steps - skip))
+        loaded[0] += 1
         state[torchbearer.BATCH] += skip  # the loop counts from 0; callbacks see the epoch's own index
         load(state)
 

@@ -3,13 +3,15 @@
 torch's :class:`torch.nn.SyncBatchNorm` refuses CPU tensors. Here each layer's forward all-reduces
 one fused float64 tensor ``[sum, sum of squares, count]`` and its backward one ``[sum(dy),
 sum(dy * (x - mean))]``, so the normalization, its exact gradient and the running statistics are
-those of one process at the global batch. On CUDA under nccl the layer hands over to torch's own.
+those of one process at the global batch, on any device and backend (one code path, tested on CPU).
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from torchbearer_dist.sync import _batchnorm
 
 #: The layers :func:`convert_sync_batchnorm` replaces (torch's own CUDA-only SyncBatchNorm included).
 CONVERTED = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -84,19 +86,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-# torch offers no public base shared by BatchNorm1d/2d/3d; _BatchNorm is the one torch's own
-# SyncBatchNorm extends, and tools that treat BatchNorm specially recognize it. The public
-# alternatives are worse: a torch.nn.SyncBatchNorm subclass is refused by DDP on CPU, and a
-# BatchNorm2d subclass would claim a dimensionality it does not check. Its bias= keyword is accepted
-# from torch 2.13, the floor (tests/sync/test_syncbn_versions.py runs in both CI configurations).
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+# torch's private BatchNorm base, the one its own SyncBatchNorm extends (see sync/_batchnorm.py). Its
+# bias= keyword is accepted from torch 2.13, the floor (tests/sync/test_syncbn_versions.py runs in both
+# CI configurations).
+class SyncBatchNorm(_batchnorm.base()):
     """BatchNorm whose training statistics are those of every rank's batch together, on CPU or GPU.
 
     Made by :func:`convert_sync_batchnorm`; takes the arguments of :class:`torch.nn.SyncBatchNorm`.
     In training each forward costs one all-reduce of ``2 * num_features + 1`` float64 values and
     each backward one of ``2 * num_features``. In eval mode, in a job of one process, and with
-    ``track_running_stats=False`` in eval mode it is plain BatchNorm and communicates nothing. On a
-    CUDA input under nccl it runs :meth:`torch.nn.SyncBatchNorm.forward`.
+    ``track_running_stats=False`` in eval mode it is plain BatchNorm and communicates nothing. CUDA
+    inputs take the same path (torch's :class:`torch.nn.SyncBatchNorm` is not called).
 
     Example:
 
@@ -145,9 +145,6 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input):
         need_sync = self.training and self._group_size() > 1
-        if need_sync and input.is_cuda and dist.get_backend(self.process_group) == 'nccl':
-            # torch's CUDA kernels and gather; its forward reads only what this class holds.
-            return nn.SyncBatchNorm.forward(self, input)
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
         momentum = 0.0 if self.momentum is None else self.momentum
