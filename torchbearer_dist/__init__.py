@@ -6,7 +6,7 @@ from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradien
 from torchbearer_dist.callbacks.images import FlattenImages
 from torchbearer_dist.callbacks.low_communication import DiLoCo
 from torchbearer_dist.callbacks.lr_scaling import LR_FACTOR, ScaleLearningRate
-from torchbearer_dist.callbacks.metrics import ReduceMetrics
+from torchbearer_dist.callbacks.metrics import ReduceMetrics, reduce_metric
 from torchbearer_dist.callbacks.output import RankZeroOnly, RankZeroOutput
 from torchbearer_dist.callbacks.replicas import CheckReplicas
 from torchbearer_dist.callbacks.sampler import SetSamplerEpoch
@@ -46,5 +46,6 @@ __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckRep
            'all_gather_rows', 'check_same_data', 'convert_sync_batchnorm', 'current_env', 'destroy_process_group',
            'distributed_callbacks', 'distributed_loader', 'distributed_samplers', 'gather_predictions', 'get_rank',
            'get_world_size', 'init_process_group', 'is_main_process', 'launch', 'load_checkpoint', 'process_group',
-           'resolve', 'save_checkpoint', 'unwatch_interrupts', 'unwatch_preemption', 'watch_interrupts',
+           'reduce_metric', 'resolve', 'save_checkpoint', 'unwatch_interrupts', 'unwatch_preemption',
+           'watch_interrupts',
            'watch_preemption', 'wrap_ddp', '__version__']

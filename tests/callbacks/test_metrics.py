@@ -163,7 +163,7 @@ def test_two_ranks_report_what_one_process_at_2b_reports(reported):
     alone = _train_at(2 * B, False)
     assert [{k: v for k, v in e.items() if k not in steps} for e in rank0] == \
         [{k: v for k, v in e.items() if k not in steps} for e in rank1]
-    assert set(rank0[0]) == set(alone[0])
+    assert set(alone[0]) <= set(rank0[0])  # every figure of one process; distributed_callbacks may add its own
     for mine, reference in zip(rank0, alone):
         for name in reference:
             if name not in steps:

@@ -1,4 +1,4 @@
-"""A metric ReduceMetrics does not know (a max) stays each rank's own figure, with one warning on rank 0."""
+"""A metric ReduceMetrics does not know (a max) stays each rank's own figure, with one warning on rank 0 per Trial."""
 import warnings
 
 import pytest
@@ -39,21 +39,39 @@ def _worker():
         model.weight.fill_(1.0)
     x = torch.arange(4, dtype=torch.float32).reshape(4, 1) + 10 * rank  # rank 0: max 3, rank 1: max 13
     loader = DataLoader(TensorDataset(x, torch.zeros(4, 1)), batch_size=2)
-    trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), metrics=[ToDict(_Max())],
-                  callbacks=[torchbearer_dist.ReduceMetrics()], verbose=0)
-    trial.with_generators(val_generator=loader)
+    metric = ToDict(_Max())  # one metric object in both Trials, as a module-level metric would be
+    trials = []
+    for declared in (None, None, {'max_pred': 'max'}, {'max_pred': 'mean'}):
+        trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), metrics=[metric],
+                      callbacks=[torchbearer_dist.ReduceMetrics(metric_reduction=declared)], verbose=0)
+        trials.append(trial.with_generators(val_generator=loader))
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        first = trial.evaluate(data_key=torchbearer.VALIDATION_DATA)
-        second = trial.evaluate(data_key=torchbearer.VALIDATION_DATA)
-    said = [str(w.message) for w in caught if 'max_pred' in str(w.message)]
-    return first['val_max_pred'], second['val_max_pred'], said
+        warnings.simplefilter('default')  # as a user's program has it: Python shows a text once per line of code
+        first = trials[0].evaluate(data_key=torchbearer.VALIDATION_DATA)
+        second = trials[0].evaluate(data_key=torchbearer.VALIDATION_DATA)
+        after_first = len(caught)
+        third = trials[1].evaluate(data_key=torchbearer.VALIDATION_DATA)
+        after_second = len(caught)
+        declared = [t.evaluate(data_key=torchbearer.VALIDATION_DATA)['val_max_pred'] for t in trials[2:]]
+    said = [[str(w.message) for w in part if 'max_pred' in str(w.message)]
+            for part in (caught[:after_first], caught[after_first:after_second], caught[after_second:])]
+    return first['val_max_pred'], second['val_max_pred'], third['val_max_pred'], declared, said
+
+
+SAID = ("torchbearer_dist: metric 'max_pred' (_Max) is not one ReduceMetrics knows how to combine over ranks (Mean, "
+        "Var, Std, RunningMean, EpochLambda); it differs between ranks and is left as torchbearer computes it on "
+        "each rank, over that rank's samples only: what rank 0 prints, logs and checkpoints on is rank 0's; "
+        "compute it in an EpochLambda (it then sees every rank's outputs), or say how its figures combine with "
+        "metric_reduction={'max_pred': 'max'} (or 'sum', 'min', 'mean', 'rank0') or "
+        "@torchbearer_dist.reduce_metric")
 
 
 @pytest.mark.slow
-def test_an_unknown_metric_is_left_per_rank_and_warned_once_on_rank_zero():
-    (first0, second0, said0), (first1, second1, said1) = run_workers(_worker, 2, deadline=170)
-    assert (first0, second0) == (3.0, 3.0)  # rank 0's own max, not (3 + 13) / 2 nor 13
-    assert (first1, second1) == (13.0, 13.0)
-    assert len(said0) == 1 and 'left as torchbearer computes it on each rank' in said0[0], said0
-    assert said1 == []
+def test_an_unknown_metric_is_left_per_rank_and_warned_once_per_trial_on_rank_zero():
+    (first0, second0, third0, declared0, said0), (first1, second1, third1, declared1, said1) = run_workers(
+        _worker, 2, deadline=170)
+    assert (first0, second0, third0) == (3.0, 3.0, 3.0)  # rank 0's own max, not (3 + 13) / 2 nor 13
+    assert (first1, second1, third1) == (13.0, 13.0, 13.0)
+    assert said0 == [[SAID], [SAID], []]  # once in the first Trial's two evaluations, again in the second Trial
+    assert said1 == [[], [], []]
+    assert declared0 == declared1 == [13.0, 8.0]  # declared 'max': the max of all; 'mean': (3 * 4 + 13 * 4) / 8

@@ -76,6 +76,42 @@ def _padding_sampler(loader):
     return None
 
 
+def reduce_metric(reduction):
+    """Say how a metric's values combine over ranks, where the metric is defined: a decorator.
+
+    Stack it with torchbearer's metric decorators, over the function or class whose batch value
+    your ``@mean``, ``@running_mean`` or ``@std`` aggregate: every figure of the metric (``peak``,
+    ``running_peak``, ``peak_std``) is then computed from the combined batch values, as one process
+    at N x B computes it. Over a Metric class that is not such a tree (an F1 that counts over the
+    epoch), it says how its epoch figures combine. ``ReduceMetrics(metric_reduction=...)`` says the
+    same where the metric is used, and takes precedence.
+
+    Example: ::
+
+        >>> import torchbearer_dist as tbd
+        >>> from torchbearer import metrics
+        >>> @metrics.running_mean
+        ... @metrics.mean
+        ... @tbd.reduce_metric('max')
+        ... @metrics.lambda_metric('peak')
+        ... def peak(y_pred, y_true):  # each batch's maximum confidence
+        ...     return y_pred.softmax(1).max()
+
+    Args:
+        reduction (str): ``'mean'`` (a per-sample mean: the union's value weighs each rank's by its
+            samples), ``'sum'``, ``'max'``, ``'min'``, or ``'rank0'`` (rank 0's own value on every rank)
+
+    Returns:
+        A decorator that marks a torchbearer Metric (class or instance) and returns it unchanged
+
+    Raises:
+        ValueError: ``reduction`` is none of these (when ``reduce_metric`` is called), or what it
+            decorates is not a torchbearer Metric
+    """
+    _aggregators.check_reduction(reduction, 'reduce_metric\'s reduction')
+    return lambda metric: _aggregators.mark(metric, reduction)
+
+
 class _ScaleSummedLoss(Callback):
     """Runs after every other callback (appended for a pass): a summed loss, times N, as one process at N x B sums."""
 
@@ -110,10 +146,23 @@ class ReduceMetrics(Callback):
     - **Metrics that are not means** (torchbearer's ``EpochLambda``, such as roc_auc): computed on the
       outputs of all ranks, gathered, never averaged.
     - ``running_`` figures: the last running value of each rank, averaged over ranks.
-    - Any other metric (a max, an F1, a custom ``Metric``): left as torchbearer computes it on each
-      rank, never averaged; where its figure differs between ranks, rank 0 warns once
-      (``RuntimeWarning``) that it covers rank 0's samples only. Figures the same on every rank
-      (epoch, lr) pass silently.
+    - **A function the package cannot inspect** (``@mean``, ``@running_mean``, ``@std`` over your own
+      ``@lambda_metric`` or Metric class): its batch values are averaged as above, which is right
+      when each is a per-sample mean (or one value per sample). Where a batch value is something
+      else, such as the batch's maximum confidence, say how it combines in one place, for every
+      figure of the metric at once: ``metric_reduction={'peak': 'max'}`` here (or in
+      :func:`~torchbearer_dist.distributed_callbacks`), or :func:`reduce_metric` where the metric is
+      defined. ``'sum'``, ``'max'``, ``'min'`` and ``'rank0'`` combine each batch's value over ranks
+      (the i-th batch of one process at N x B holds every rank's i-th batch) and the metric's
+      aggregators run on the combined values: the epoch and running figures equal one process at
+      N x B. Until it is said, rank 0 warns once per Trial (``RuntimeWarning``) naming the metric and
+      the assumption; torchbearer's own metrics (loss, accuracies, mse) are known and silent.
+    - Any other metric (an F1 or a max as a ``Metric`` class): left as torchbearer computes it on
+      each rank, never averaged; where its figure differs between ranks, rank 0 warns once per Trial
+      that it covers rank 0's samples only (compute it in an ``EpochLambda`` to cover every rank's).
+      Declared, its epoch figures are combined: summed, the max, the min, the mean weighted by each
+      rank's samples, or rank 0's on every rank (``'rank0'``). Figures the same on every rank (epoch,
+      lr) pass silently.
 
     With a **summed loss** (a torch loss module with ``reduction='sum'``, or ``loss_reduction='sum'``),
     one process at N x B reports the sum over N x B samples: every rank's batch loss then counts
@@ -138,6 +187,14 @@ class ReduceMetrics(Callback):
         gather_predictions (bool): ``False`` makes ``predict()`` return only this rank's own predictions
         loss_reduction (str): ``'auto'`` (a torch loss module with ``reduction='sum'`` is a sum, any other
             loss a mean), ``'mean'`` or ``'sum'``
+        metric_reduction (dict): how metrics combine over ranks, by name (the metric's name or any of
+            its figures, such as ``'running_peak'``): ``'mean'``, ``'sum'``, ``'max'``, ``'min'`` or
+            ``'rank0'`` (rank 0's own); it takes precedence over :func:`reduce_metric`
+
+    Raises:
+        ValueError: an argument is not one of the values above (at construction); ``metric_reduction``
+            names no metric of the Trial, or gives one metric two reductions (at the first pass, on
+            every rank)
 
     State Requirements:
         - :attr:`torchbearer.state.METRIC_LIST`: its aggregators are replaced at each pass start
@@ -148,14 +205,15 @@ class ReduceMetrics(Callback):
         start of ``evaluate()`` and ``predict()``: every rank must call them.
     """
 
-    def __init__(self, gather_predictions=True, loss_reduction='auto'):
+    def __init__(self, gather_predictions=True, loss_reduction='auto', metric_reduction=None):
         super().__init__()
         if not isinstance(gather_predictions, bool):
             raise ValueError('gather_predictions should be True or False, but given {!r}'.format(gather_predictions))
         check_loss_reduction(loss_reduction)
         self.gather_predictions = gather_predictions
         self.loss_reduction = loss_reduction
-        self._pass = _aggregators.Pass()
+        self.metric_reduction = _aggregators.check_metric_reduction(metric_reduction)
+        self._pass = _aggregators.Pass(self.metric_reduction)
         self._remaining = self._sampler = None
         self._trained = self._predicting = self._summed = False
         self._scaler, self._scaling = None, None
@@ -166,6 +224,7 @@ class ReduceMetrics(Callback):
 
     def _start_pass(self, state, training):
         self._pass.training, self._pass.samples = training, 0
+        self._pass.start(state.get(torchbearer.SELF))
         _aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
         self._stop_scaling()
         if self._summed:  # appended for the pass, after every callback (an @add_to_loss term included)
@@ -192,7 +251,7 @@ class ReduceMetrics(Callback):
 
     def on_sample(self, state):
         n = batch_size(state)
-        self._pass.batch = self._weight(n)
+        self._pass.batch, self._pass.count = self._weight(n), n
         self._pass.samples += n
 
     def on_end_training(self, state):
@@ -222,7 +281,7 @@ class ReduceMetrics(Callback):
                     if key in state:
                         state[key] = _trim(state[key], keep)
                 n = keep
-        self._pass.batch = self._weight(n)
+        self._pass.batch, self._pass.count = self._weight(n), n
         self._pass.samples += n
 
     def on_end_validation(self, state):
