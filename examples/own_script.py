@@ -57,6 +57,7 @@ def main():
                         help='start afresh even if the checkpoint exists')
     args = parser.parse_args()
     tbd.watch_preemption()  # SIGTERM, SIGUSR1: checkpoint at a step, exit 75
+    tbd.quiet_peer_failures()  # a peer's failure in one line, not a traceback
     with tbd.process_group():  # torchrun's environment names the rank
         history = train(args.epochs, args.checkpoint, not args.no_resume)
         if tbd.is_main_process():

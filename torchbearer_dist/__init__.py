@@ -1,6 +1,7 @@
 """torchbearer_dist: make a standard torchbearer Trial train data-parallel by adding callbacks."""
 from torchbearer_dist.callbacks import distributed_callbacks
 from torchbearer_dist.callbacks.broadcast import BroadcastParameters
+from torchbearer_dist.callbacks.comm_report import CommunicationReport
 from torchbearer_dist.callbacks.even_batches import EvenBatches
 from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
 from torchbearer_dist.callbacks.images import FlattenImages
@@ -15,7 +16,7 @@ from torchbearer_dist.checkpoint.callback import Checkpoint
 from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import check_same_data, distributed_loader, distributed_samplers
 from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
-from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted, quiet_peer_failures
 from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
 from torchbearer_dist.runtime.interrupts import (
     unwatch_interrupts,
@@ -40,12 +41,13 @@ def is_main_process():
 
 
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
+           'CommunicationReport',
            'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DiLoCo', 'DistEnv', 'EXIT_PREEMPTED', 'EvenBatches',
            'FlattenImages', 'LR_FACTOR', 'PeerFailedError', 'PowerSGD', 'Preempted', 'RankZeroOnly', 'RankZeroOutput',
            'ReduceMetrics', 'SKIPPED_STEPS', 'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm',
            'all_gather_rows', 'check_same_data', 'convert_sync_batchnorm', 'current_env', 'destroy_process_group',
            'distributed_callbacks', 'distributed_loader', 'distributed_samplers', 'gather_predictions', 'get_rank',
            'get_world_size', 'init_process_group', 'is_main_process', 'launch', 'load_checkpoint', 'process_group',
-           'reduce_metric', 'resolve', 'save_checkpoint', 'unwatch_interrupts', 'unwatch_preemption',
-           'watch_interrupts',
-           'watch_preemption', 'wrap_ddp', '__version__']
+           'quiet_peer_failures', 'reduce_metric', 'resolve', 'save_checkpoint', 'unwatch_interrupts',
+           'unwatch_preemption',
+           'watch_interrupts', 'watch_preemption', 'wrap_ddp', '__version__']

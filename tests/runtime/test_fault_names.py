@@ -18,6 +18,7 @@ USER_SCRIPT = """
 import sys
 import torch, torch.distributed as dist
 import torchbearer_dist
+torchbearer_dist.quiet_peer_failures()  # the one-line form of an uncaught PeerFailedError: opt-in
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 with torchbearer_dist.process_group(rank=rank, world_size=2, host='127.0.0.1', port=port, timeout=60,
                                     rendezvous_timeout=5):
@@ -65,8 +66,10 @@ def test_peer_failure_in_a_users_script_prints_one_line_and_the_users_error_prop
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_connecting_exits_130_never_an_abort(tmp_path):
-    """The connect thread is inside TCPStore's constructor at exit: it must not abort the process (-6)."""
+def test_ctrl_c_while_connecting_exits_as_python_does_never_an_abort(tmp_path):
+    """Ctrl-C while the master is not up yet: no torch thread is left inside TCPStore's constructor to abort
+    the process (-6) at exit, and the exit status is Python's own for an uncaught KeyboardInterrupt (killed
+    by SIGINT, which a shell shows as 130), not one an exit handler of the package chose."""
     script = tmp_path / 'connecting.py'
     script.write_text(CONNECTING_SCRIPT)
     for _ in range(3):
@@ -75,13 +78,13 @@ def test_ctrl_c_while_connecting_exits_130_never_an_abort(tmp_path):
                                    env=child_env(TORCH_CPP_LOG_LEVEL='FATAL'))
         try:
             assert process.stdout.readline() == 'connecting\n'
-            time.sleep(1.0)  # inside the constructor, retrying
+            time.sleep(1.0)  # retrying the connection
             started = time.monotonic()
             os.kill(process.pid, signal.SIGINT)
             _, err = process.communicate(timeout=20)
             elapsed = time.monotonic() - started
         finally:
             kill_session(process.pid)
-        assert process.returncode == 130, (process.returncode, err)
+        assert process.returncode == -signal.SIGINT, (process.returncode, err)
         assert 'terminate called' not in err and 'KeyboardInterrupt' in err, err
-        assert elapsed < 10, elapsed  # not the rendezvous timeout (30 s) of the thread's retries
+        assert elapsed < 10, elapsed  # not the rendezvous timeout (30 s) of the retries

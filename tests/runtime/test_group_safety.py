@@ -55,9 +55,9 @@ def _worker_rank0_slow_to_connect(delay):
     from torchbearer_dist.runtime import group
     create = group._create
 
-    def create_slowly(env, store, environ):  # as under load: rank 0 is done connecting ``delay`` s after rank 1
-        create(env, store, environ)
-        if env.rank == 0:
+    def create_slowly(live, environ):  # as under load: rank 0 is done connecting ``delay`` s after rank 1
+        create(live, environ)
+        if live.env.rank == 0:
             time.sleep(delay)
 
     group._create = create_slowly
@@ -198,12 +198,12 @@ def _worker_gloo_connections():
     import torch
     import torch.distributed as dist
 
-    from torchbearer_dist.runtime import _gloo_sockets, _teardown
+    from torchbearer_dist.runtime import _gloo_sockets, group
     dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
-    found = [fd for fd, _ in _gloo_sockets.connections(_teardown.live['gloo'], dist.get_rank())]
+    found = [fd for fd, _ in _gloo_sockets.connections(group._live.gloo, dist.get_rank())]
     foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
     for sock in (accepted, client, listener):
         sock.close()
@@ -253,7 +253,7 @@ print('rank', rank, 'total', total.item())
 @pytest.mark.parametrize('script_text', [USER_SCRIPT, UNDESTROYED_SCRIPT], ids=['process_group', 'never_destroyed'])
 def test_a_users_own_script_exits_0_every_time(tmp_path, script_text, runs):
     """torch 2.14 scripts may abort at exit ("terminate called without an active exception", 134): a
-    gloo worker or our heartbeat still inside torch when the interpreter finalizes (runtime/_teardown.py).
+    gloo worker or our heartbeat still inside torch when the interpreter finalizes (runtime/group.py).
     A group destroyed after torch imported torch.distributed.nn (with the first optimizer) must leave
     no thread running: that module's default arguments would otherwise hold it.
 

@@ -134,3 +134,45 @@ def test_watch_interrupts_is_opt_in_and_undone():
     finally:
         tbd.unwatch_interrupts()
     assert (signal.getsignal(signal.SIGINT), _wakeup_fd()) == (handler, fd)
+
+
+def test_watch_preemption_calls_the_handler_it_replaced_and_gives_it_back():
+    """As Lightning's _HandlersCompose: a program's own handler (submitit's, say) still runs, and is back after."""
+    import signal
+
+    import torchbearer_dist as tbd
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, mine)
+    try:
+        tbd.watch_preemption(signals=(signal.SIGUSR2,))
+        try:
+            assert signal.getsignal(signal.SIGUSR2) is not mine
+            with pytest.raises(tbd.Preempted, match=r'^pre-empted by SIGUSR2 outside training; resumable'):
+                signal.raise_signal(signal.SIGUSR2)
+            assert seen == [signal.SIGUSR2]
+        finally:
+            tbd.unwatch_preemption()
+        assert signal.getsignal(signal.SIGUSR2) is mine
+        signal.raise_signal(signal.SIGUSR2)
+        assert (seen, tbd.runtime.interrupts.preemption_requested()) == ([signal.SIGUSR2] * 2, None)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_quiet_peer_failures_is_opt_in_and_undone():
+    import sys
+
+    import torchbearer_dist as tbd
+    hook = sys.excepthook
+    tbd.quiet_peer_failures()
+    try:
+        assert sys.excepthook is not hook
+        tbd.quiet_peer_failures()  # twice: one hook
+        assert sys.excepthook._torchbearer_dist is hook
+    finally:
+        tbd.quiet_peer_failures(False)
+    assert sys.excepthook is hook

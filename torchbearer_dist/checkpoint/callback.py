@@ -1,6 +1,5 @@
 """The :class:`Checkpoint` callback: crash-safe checkpoints every few epochs or steps, and at a pre-emption."""
 import os
-import threading
 import time
 
 import torch
@@ -44,10 +43,11 @@ class Checkpoint(Callback):
     over a torch DistributedSampler, which also lets another world size go on with the epoch's
     remaining samples resharded; other loaders draw and drop the batches already trained.
 
-    When :func:`~torchbearer_dist.watch_preemption` is on (by default under :func:`launch`, the example
-    and SLURM, where this callback turns it on), a SIGTERM or SIGUSR1 stops every rank at the next step
-    boundary, rank 0 writes a step checkpoint, and ``trial.run`` raises
-    :class:`~torchbearer_dist.Preempted` (exit status 75) on every rank.
+    When :func:`~torchbearer_dist.watch_preemption` is on (in :func:`launch`'s ranks and the examples, or
+    where the program calls it, as a SLURM job's should), a SIGTERM or SIGUSR1 stops every rank at the
+    next step boundary, rank 0 writes a step checkpoint, and ``trial.run`` raises
+    :class:`~torchbearer_dist.Preempted` (exit status 75) on every rank. This callback installs no
+    signal handler itself.
 
     Example:
 
@@ -119,8 +119,6 @@ class Checkpoint(Callback):
         self._checked = False
         self._end_training()  # a run that raised never reached on_end
         self._reset_run()
-        if os.environ.get('SLURM_JOB_ID') and threading.current_thread() is threading.main_thread():
-            interrupts.watch_preemption()  # under SLURM, pre-emption handling is on by default
 
     def on_start_training(self, state):
         if not self._checked:  # once per run(), in training only: evaluate() and predict() never save

@@ -4,12 +4,11 @@ Each rank publishes an identity at the handshake: host name, boot id, pid namesp
 process's start time. A peer counts as "of this machine" only when the boot id and the pid
 namespace match ours, so that its pid means the same process here; it counts as dead when that pid
 is gone, is a zombie, or now belongs to a process that started at another time (the pid was
-reused). Each check reads one ``/proc/<pid>/stat`` per local peer: bounded by the world size.
+reused). Each check reads one ``/proc/<pid>/stat`` per local peer: bounded by the world size. What
+was read of the peers belongs to the live group (``group._LiveGroup.peers``), not to this module.
 """
 import os
 import socket
-
-_peers = {}
 
 
 def _read(path):
@@ -47,16 +46,18 @@ def identity():
                      _namespace().replace(' ', '') or '-', str(os.getpid()), state[1] if state else '-'])
 
 
-def remember(store, rank, world_size):
-    """Note every other rank's identity, read once from the store after the handshake.
+def local_peers(store, rank, world_size):
+    """Every other rank of this machine, read once from the store after the handshake.
 
     Args:
         store (torch.distributed.Store): the job's store
         rank (int): this rank
         world_size (int): ranks in the job
+
+    Returns:
+        dict: ``{rank: (pid, start time)}`` of the ranks whose pid means the same process here
     """
-    _peers.clear()
-    mine = identity().split()
+    peers, mine = {}, identity().split()
     for other in range(world_size):
         if other == rank:
             continue
@@ -65,22 +66,25 @@ def remember(store, rank, world_size):
         except Exception:  # not essential: a death is then reported with less detail
             continue
         if boot != '-' and (boot, namespace) == (mine[1], mine[2]):
-            _peers[other] = (int(pid), start)
+            peers[other] = (int(pid), start)
+    return peers
 
 
-def forget():
-    """Drop what :func:`remember` noted, when the group is torn down."""
-    _peers.clear()
-
-
-def dead_local_ranks():
+def dead_local_ranks(peers=None):
     """Ranks of this machine whose process is gone (or a zombie); pid reuse is told by start time.
+
+    Args:
+        peers (dict): what :func:`local_peers` returned; by default the live process group's
 
     Returns:
         list: rank numbers, ascending
     """
+    if peers is None:
+        from torchbearer_dist.runtime import group  # the live group's owner, which imports this module
+        live = group._live
+        peers = live.peers if live is not None else {}
     dead = []
-    for other, (pid, start) in sorted(_peers.items()):
+    for other, (pid, start) in sorted(peers.items()):
         now = _start_time(pid)
         if now is None or now[0] in ('Z', 'X') or now[1] != start:
             dead.append(other)

@@ -284,21 +284,15 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     return env
 
 
-_current = {'env': None, 'store': None, 'socket': None}
-
-
 def current_env():
     """The :class:`~torchbearer_dist.runtime.env.DistEnv` of the live process group, or None outside one."""
-    return _current['env']
+    from torchbearer_dist.runtime import group  # the live group's owner, which imports this module
+    live = group._live
+    return live.env if live is not None else None
 
 
 def current_store():
     """The job's rendezvous store (namespaced to this job), or None outside a process group."""
-    return _current['store']
-
-
-def set_current(env=None, store=None, sock=None):
-    """Record the live group's env and store (all None: none); closes the previous listening socket."""
-    if _current['socket'] is not None and _current['socket'] is not sock:
-        _current['socket'].close()
-    _current.update(env=env, store=store, socket=sock)
+    from torchbearer_dist.runtime import group
+    live = group._live
+    return live.store if live is not None else None

@@ -1,5 +1,5 @@
 """The exception a rank raises when another rank failed first, and the one of a pre-empted rank; the one
-line an uncaught :class:`PeerFailedError` prints instead of its traceback."""
+line an uncaught :class:`PeerFailedError` prints instead of its traceback, where a program asks for it."""
 import os
 import sys
 
@@ -48,17 +48,31 @@ class Preempted(SystemExit):
 TRACEBACK_VARIABLE = 'TORCHBEARER_DIST_TRACEBACK'
 
 
-def _quiet_traceback():
+def quiet_peer_failures(on=True):
     """Make an uncaught :class:`~torchbearer_dist.PeerFailedError` print its one line, not a traceback.
 
-    Its traceback shows only where this rank was when a peer failed (40 to 60 lines of torchbearer
-    and torch); the line names the rank at fault and its error. Every other exception, the user's
-    own included, reaches the previous ``sys.excepthook`` untouched; ``TORCHBEARER_DIST_TRACEBACK=1``
-    shows the whole traceback.
+    Opt-in, for a program that owns its process (a command line script): the library leaves
+    ``sys.excepthook`` alone otherwise. A :class:`PeerFailedError`'s traceback shows only where this
+    rank was when a peer failed (40 to 60 lines of torchbearer and torch); the line names the rank at
+    fault and its error. Every other exception, the program's own included, reaches the hook that
+    was there before untouched; ``TORCHBEARER_DIST_TRACEBACK=1`` shows the whole traceback.
+
+    Example: ::
+
+        >>> import torchbearer_dist as tbd
+        >>> tbd.quiet_peer_failures()
+        >>> tbd.quiet_peer_failures(False)
+
+    Args:
+        on (bool): True to install the hook (once), False to give back the hook it replaced
     """
-    if getattr(sys.excepthook, '_torchbearer_dist', False):
+    hook = sys.excepthook
+    if not on:
+        if getattr(hook, '_torchbearer_dist', None) is not None:
+            sys.excepthook = hook._torchbearer_dist
         return
-    previous = sys.excepthook
+    if getattr(hook, '_torchbearer_dist', None) is not None:
+        return
 
     def excepthook(kind, value, traceback):
         if issubclass(kind, PeerFailedError) and os.environ.get(TRACEBACK_VARIABLE) != '1':
@@ -66,7 +80,7 @@ def _quiet_traceback():
                                                                            TRACEBACK_VARIABLE))
             sys.stderr.flush()
             return
-        previous(kind, value, traceback)
+        hook(kind, value, traceback)
 
-    excepthook._torchbearer_dist = True
+    excepthook._torchbearer_dist = hook  # the hook it replaced, given back by quiet_peer_failures(False)
     sys.excepthook = excepthook

@@ -1,8 +1,10 @@
-"""Ctrl-C for programs that own their process: the launcher's ranks and the example's command line.
+"""Ctrl-C and pre-emption signals for programs that own their process: the launcher's ranks and the examples.
 
-Opt-in: nothing here runs unless :func:`watch_interrupts` is called. Library use
-(:func:`~torchbearer_dist.init_process_group` in a user's script or notebook) leaves SIGINT's handler
-and the wakeup fd alone, so asyncio and Jupyter keep theirs.
+Opt-in: nothing here runs unless :func:`watch_interrupts` or :func:`watch_preemption` is called.
+Library use (:func:`~torchbearer_dist.init_process_group` in a user's script or notebook, a
+:class:`~torchbearer_dist.Checkpoint` in a Trial) leaves every signal handler and the wakeup fd
+alone, so asyncio, Jupyter, submitit and Lightning keep theirs. A handler installed here calls the
+one it replaced (as Lightning's ``_HandlersCompose``), and the ``unwatch_`` functions put it back.
 
 Python runs signal handlers only between bytecodes, so a rank blocked in a gloo collective ignores
 SIGINT until the collective ends (up to the collective timeout). A helper thread sees the signal
@@ -10,7 +12,8 @@ through :func:`signal.set_wakeup_fd`; if the main thread has not started handlin
 seconds later, the thread publishes the interrupt as this rank's cause and makes the collective
 fail, so that the main thread raises KeyboardInterrupt and unwinds normally (``finally`` blocks
 run). Only if it is still stuck another ``grace`` later (in native code that is no collective) does
-the thread end the process with status 130.
+the thread end the process with status 130 (``os._exit``: the last resort, since nothing else ends a
+native call; exit handlers do not run then).
 """
 import os
 import signal
@@ -18,8 +21,7 @@ import sys
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, _teardown
-from torchbearer_dist.runtime.env import current_env, current_store
+from torchbearer_dist.runtime import _diagnosis, group
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
@@ -69,6 +71,7 @@ def watch_interrupts(grace=2.0):
 
 
 def _wait_for_interrupt(read_fd, write_fd, grace):
+    received = 0  # SIGINTs seen here: each is written before the main thread runs its handler, once
     while True:
         try:
             data = os.read(read_fd, 64)
@@ -78,20 +81,21 @@ def _wait_for_interrupt(read_fd, write_fd, grace):
             return
         if signal.SIGINT not in data:
             continue
-        handled = _watch['handled']
+        received += data.count(signal.SIGINT)
         time.sleep(grace)
-        if _watch['fds'] != (read_fd, write_fd) or _watch['handled'] > handled:
-            continue  # unwatched, or the main thread is handling it
-        env, store = current_env(), current_store()
+        if _watch['fds'] != (read_fd, write_fd) or _watch['handled'] >= received:
+            continue  # unwatched, or the main thread handled it (a handler of the program's may go on running)
+        live = group._live
+        env = live.env if live is not None else None
         sys.stderr.write('torchbearer_dist: rank {} interrupted inside a collective; stopping\n'.format(
             '?' if env is None else env.rank))
         sys.stderr.flush()
         if env is not None and env.world_size > 1:
-            _diagnosis.publish(store, _diagnosis.Cause(env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
-                                                     'interrupted (SIGINT)'))
-            _teardown.interrupt_collectives(env)
+            _diagnosis.publish(live.store, _diagnosis.Cause(env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
+                                                          'interrupted (SIGINT)'))
+            live.interrupt_collectives()
         time.sleep(grace)
-        if _watch['fds'] == (read_fd, write_fd) and _watch['handled'] == handled:
+        if _watch['fds'] == (read_fd, write_fd) and _watch['handled'] < received:
             os._exit(130)
 
 
@@ -118,6 +122,9 @@ def _preemption_handler(signum, frame):
     # Repeated signals are normal (SLURM signals every process of a step, torchrun forwards its own
     # SIGTERM too): they only set the flag again. The scheduler's SIGKILL ends a rank that never stops.
     _preemption['requested'] = _preemption['requested'] or signal.Signals(signum).name
+    previous = _preemption['previous'].get(signum)
+    if callable(previous):  # the program's own handler (submitit's, Lightning's) runs too; SIG_DFL, SIG_IGN are not
+        previous(signum, frame)
     if not _preemption['training']:  # nothing training that could stop at a step boundary: stop now
         raise Preempted('pre-empted by {} outside training; resumable from the last checkpoint'.format(
             signal.Signals(signum).name))
@@ -132,11 +139,13 @@ def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=None):
     callback trains: every rank agrees to stop at the next step boundary (through the stop agreement of
     :class:`~torchbearer_dist.AgreeOnStop`, no extra collective per step), global rank 0 writes a step
     checkpoint, and ``trial.run`` raises :class:`Preempted` on every rank, which ends the process with
-    status :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once.
+    status :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once,
+    which ends the process as the default SIGTERM handler would, with status 75.
 
-    Opt-in for library use; :func:`~torchbearer_dist.launch` and the example turn it on, and the
-    :class:`~torchbearer_dist.Checkpoint` callback turns it on under SLURM. Call it from the main thread
-    of every rank (it does nothing elsewhere, or twice).
+    Opt-in for library use; :func:`~torchbearer_dist.launch`'s ranks and the examples turn it on. The
+    handler calls the one it replaced first (when that is a function: not ``SIG_DFL`` or ``SIG_IGN``),
+    and :func:`unwatch_preemption` puts it back. Call it from the main thread of every rank (it does
+    nothing elsewhere, or twice).
 
     Example: ::
 

@@ -11,11 +11,9 @@ created here rather than by :func:`torch.distributed.init_process_group` so that
 - a handshake through the store catches, before training, two processes claiming one rank,
   processes that disagree on the world size, and a stale job on the same port.
 """
-import atexit
 import errno
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -97,8 +95,31 @@ def _bind_master(host, port):
 
 
 def _connect(host, port, timeout):
-    """Connect to the master's store, bounded by ``timeout`` even against a silent listener."""
+    """Connect to the master's store, bounded by ``timeout`` even against a silent listener.
+
+    A plain TCP connection is first retried in this thread until the master accepts one, so that
+    Ctrl-C or the deadline ends the wait at once, leaving no thread inside TCPStore's constructor:
+    such a thread, given up on, aborts the process when its torch call returns during the
+    interpreter's exit ("terminate called without an active exception", exit -6: measured 2 runs in
+    10 of a Ctrl-C while connecting to a master not yet up). Only then is the store client made, in a
+    helper thread, since against a program that accepts connections and never answers it never
+    returns (torch's own timeout does not bound that wait).
+    """
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
+    seconds = timeout.total_seconds()
+    started = time.monotonic()
+    while True:
+        try:
+            left = started + seconds - time.monotonic()
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                break
+        except OSError as error:
+            if time.monotonic() - started >= seconds:
+                raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running '
+                                   'there, that --host and --port match it, and that no firewall is in the way'.format(
+                                       host, port, seconds, error.strerror or str(error) or type(error).__name__)) \
+                    from None
+            time.sleep(0.1)
     result, done = {}, threading.Event()
 
     def connect():
@@ -112,17 +133,14 @@ def _connect(host, port, timeout):
     thread = threading.Thread(target=connect, name='torchbearer_dist-connect', daemon=True)
     thread.start()
     try:
-        # The client retries for about timeout; a silent listener never returns at all. An Event, not
-        # join(): a join interrupted by Ctrl-C marks a running thread stopped (CPython 3.11, bpo-45274's fix).
-        done.wait(timeout.total_seconds() * 1.5 + 5)
-    except BaseException as error:  # Ctrl-C while connecting
-        _abandoned.append((done, 130 if isinstance(error, KeyboardInterrupt) else 1))
+        # An Event, not join(): a join interrupted by Ctrl-C marks a running thread stopped (CPython 3.11,
+        # bpo-45274's fix).
+        done.wait(max(0.0, started + seconds * 1.5 + 5 - time.monotonic()))
+    except BaseException:  # Ctrl-C: the master accepted, so a store answers within moments, or never
+        done.wait(1.0)
         raise
     if 'store' in result:
         return result['store']
-    seconds = timeout.total_seconds()
-    if not done.is_set():
-        _abandoned.append((done, 1))
     if not done.is_set() and _something_listens(host, port):
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port{}'.format(
@@ -134,33 +152,6 @@ def _connect(host, port, timeout):
     raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running there, '
                        'that --host and --port match it, and that no firewall is in the way'.format(
                            host, port, seconds, str(result['error']).splitlines()[0])) from None
-
-
-#: ``(done event, exit status)`` of connect threads given up on while inside TCPStore's constructor.
-_abandoned = []
-
-
-@atexit.register
-def _exit_before_a_connect_thread_returns():
-    """End the process now if a connect thread is still inside TCPStore's constructor.
-
-    Such a thread aborts the process when its torch call returns during interpreter finalization
-    ("terminate called without an active exception", exit -6: measured 2 runs in 10 of a Ctrl-C
-    while connecting), and it may retry for the whole rendezvous timeout, or never return from a
-    silent listener. Exit handlers run before finalization: flush, and exit with the status the
-    abandoning error calls for, 130 after Ctrl-C, 1 otherwise. Registered at import, before
-    the teardown of :mod:`torchbearer_dist.runtime._teardown` (which imports this module), so that it
-    runs after it.
-    """
-    alive = [(done, status) for done, status in _abandoned if not done.is_set()]
-    if not alive:
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(alive[-1][1])
 
 
 def _something_listens(host, port, seconds=2.0):
