@@ -37,13 +37,14 @@ def test_a_change_of_dtype_closes_the_bucket_and_complex_packs_with_its_real_dty
     assert buckets[1].flat.dtype == torch.float64
 
 
-def test_layout_gradients_then_one_flag_per_parameter_then_the_stop_flag():
+def test_layout_gradients_then_one_flag_per_parameter_then_the_signal_and_stop_flags():
     a, b = _floats(3, 5)
     (bucket,) = pack([a, b], 25, 1)
-    assert (bucket.numel, bucket.flat.numel(), bucket.flags.numel()) == (8, 8 + 2 + 1, 2)
+    assert (bucket.numel, bucket.flat.numel(), bucket.flags.numel()) == (8, 8 + 2 + 2, 2)
+    assert bucket.signal.data_ptr() == bucket.flat[-2:].data_ptr() and bucket.signal.numel() == 1
     assert [v.shape for v in bucket.views] == [a.shape, b.shape]
     not_last = FlatBucket([a, b], last=False)
-    assert not_last.flat.numel() == 8 + 2
+    assert not_last.flat.numel() == 8 + 2 and not_last.signal is None
 
 
 def test_complex_parameters_start_at_an_even_offset_and_round_trip():

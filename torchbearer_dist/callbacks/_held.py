@@ -109,6 +109,59 @@ def trainable(state):
     return named
 
 
+def parameters(state):
+    """``(name, parameter)`` of every parameter the state holds, trainable or not, each once, named as in
+    :func:`trainable`.
+
+    The parameters of ``state[MODEL]`` first, then those of the other modules, then the optimizers'
+    that no module holds: the same list on every rank that holds the same models and optimizers.
+    """
+    model = state.get(torchbearer.MODEL)
+    modules = held_modules(state)
+    named, seen = [], set()
+    for label, module in modules:
+        prefix = '' if module is model else label + '.'
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((prefix + name, p))
+    names = parameter_names(modules)
+    for label, groups in held_optimizers(state):
+        for g, group in enumerate(groups):
+            for i, p in enumerate(group['params']):
+                if isinstance(p, torch.Tensor) and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((names.get(id(p), '{} param_groups[{}] #{}'.format(label, g, i)), p))
+    return named
+
+
+class TrainableWatch:
+    """A cheap sign that the trainable set may have changed: every held parameter's ``requires_grad``
+    and the size of every optimizer's param groups, compared with what they were when it was made.
+
+    ``changed()`` reads one flag per parameter and one length per param group (no walk of the
+    state): cheap enough for every forward pass. A parameter or optimizer placed in the state under a
+    new key is not seen; it is found at the next run's start.
+
+    Args:
+        state (dict): a Trial's state
+    """
+
+    def __init__(self, state):
+        self.params = [p for _, p in parameters(state)]
+        self.groups = [groups for _, groups in held_optimizers(state)]
+        self.flags = [p.requires_grad for p in self.params]
+        self.sizes = self._sizes()
+
+    def _sizes(self):
+        return [len(groups) for groups in self.groups] + [len(g['params']) for groups in self.groups for g in groups]
+
+    def changed(self):
+        """Whether a parameter's ``requires_grad`` or an optimizer's param groups changed since the watch was made."""
+        return any(p.requires_grad != flag for p, flag in zip(self.params, self.flags)) or \
+            self._sizes() != self.sizes
+
+
 def synchronised(state):
     """``(name, tensor)`` of every parameter and buffer that the ranks keep identical, each tensor once.
 

@@ -2,6 +2,7 @@
 import weakref
 
 import torchbearer
+from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
 from torchbearer_dist import _torchbearer
@@ -44,6 +45,11 @@ class AgreeOnStop(Callback):
     request rides in the next step's gradient buckets, and every rank stops after that next step. A
     stop set at the end of an epoch is agreed by one all-reduce.
 
+    On a DistributedDataParallel model (the DDP path of :func:`distributed_callbacks`), DDP averages
+    only the model it wraps: AgreeOnStop then runs an :class:`AllReduceGradients` for everything else
+    the Trial holds (a GAN's discriminator and its optimizer, under any state key), whose buckets
+    carry the stop requests, and the divergence sentinel with it.
+
     It works wherever it sits in the callback list: for the length of each training run it appends a
     small companion to the end of the Trial's callback list, which reads the stop requests of the step
     after every other callback has run (torchbearer has no hook that runs after all callbacks).
@@ -70,6 +76,23 @@ class AgreeOnStop(Callback):
         self._run_state = None
         #: The AllReduceGradients that holds this agreement (its buckets carry the request), or None.
         self.gradients = None
+        self._owned = False  # held by an AllReduceGradients of the user's list
+        self._companion = None  # on a DDP model: the AllReduceGradients this agreement runs for the rest
+        self._beside = None  # the companion, for the runs whose model is DDP
+
+    def on_start(self, state):
+        self._beside = None
+        if self._owned:
+            return
+        if collectives.world_size() > 1 and isinstance(state.get(torchbearer.MODEL), DistributedDataParallel):
+            if self._companion is None:
+                from torchbearer_dist.callbacks.gradients import AllReduceGradients  # it imports this module
+                self._companion = AllReduceGradients._beside_ddp(self)
+            self.gradients = weakref.proxy(self._companion)
+            self._beside = self._companion
+            self._beside.on_start(state)
+        else:
+            self.gradients = None
 
     @property
     def buckets(self):
@@ -77,6 +100,30 @@ class AgreeOnStop(Callback):
         return None if self.gradients is None else self.gradients.buckets
 
     def on_start_training(self, state):
+        if self._beside is not None:
+            self._beside.on_start_training(state)  # which opens the run here
+        else:
+            self._open_run(state)
+
+    def on_sample(self, state):
+        if self._beside is not None:
+            self._beside.on_sample(state)
+
+    def on_backward(self, state):
+        if self._beside is not None:
+            self._beside.on_backward(state)
+
+    def on_end_training(self, state):
+        if self._beside is not None:
+            self._beside.on_end_training(state)
+
+    def on_end(self, state):
+        if self._beside is not None:
+            self._beside.on_end(state)  # which closes the run here
+        else:
+            self._close_run(state)
+
+    def _open_run(self, state):
         self._stop_requested = self._stop_agreed = False
         if collectives.world_size() == 1:
             return
@@ -89,7 +136,7 @@ class AgreeOnStop(Callback):
         callbacks.append(self._last_word)
         self._run_state = weakref.ref(state)
 
-    def on_end(self, state):
+    def _close_run(self, state):
         if self._run_state is not None and self._run_state() is state:  # not an evaluate() nested in the run
             callbacks = _callback_list(state)
             if self._last_word in callbacks:
@@ -113,9 +160,17 @@ class AgreeOnStop(Callback):
             self._stop_requested = True
             if self.buckets is not None:
                 self.buckets.request_stop()
-        if self.buckets is None and collectives.any_rank(self._stop_requested):
-            self._stop_requested = False
-            state[torchbearer.STOP_TRAINING] = True
+        if self.buckets is None:
+            # One all-reduce carries the stop requests and, with it, whether a rank's trainable set changed.
+            word = getattr(self.gradients, '_change_word', None)  # an engine that follows the trainable set
+            change = word is not None and word(state)
+            base = collectives.world_size() + 1
+            total = collectives.reduce_int(int(self._stop_requested) + base * int(change), 'sum')
+            if total >= base:
+                self.gradients._follow(state, during_backward=False)
+            if total % base:
+                self._stop_requested = False
+                state[torchbearer.STOP_TRAINING] = True
 
     def _agree_on_stop(self, state, flag):
         if collectives.any_rank(flag or state[torchbearer.STOP_TRAINING]):

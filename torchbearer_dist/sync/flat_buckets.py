@@ -4,7 +4,8 @@
 their layout. A bucket holds one real dtype on one device. Complex parameters take two real slots per
 value (at an even offset, so that :func:`torch.view_as_complex` can view them), sparse gradients are
 copied in densified and handed back sparse, and each bucket ends with one presence flag per
-parameter, plus a stop flag in the last bucket.
+parameter, plus, in the last bucket, a signal slot (:attr:`FlatBucket.signal`, summed over ranks with
+the gradients: how many ranks saw their trainable set change) and the stop flag.
 """
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def _real_dtype(p):
 
 class FlatBucket:
     __slots__ = ('params', 'numel', 'flat', 'grads', 'flags', 'views', 'present', 'pending', 'sent', 'missing',
-                 'sparse', 'work', 'wire', 'last')
+                 'sparse', 'work', 'wire', 'last', 'signal')
 
     def __init__(self, params, last):
         self.params = params
@@ -55,10 +56,12 @@ class FlatBucket:
             spans.append(offset)
             offset += p.numel() * (2 if p.is_complex() else 1)
         self.numel = offset
-        self.flat = torch.zeros(offset + len(params) + (1 if last else 0), dtype=_real_dtype(params[0]),
+        self.flat = torch.zeros(offset + len(params) + (2 if last else 0), dtype=_real_dtype(params[0]),
                                 device=params[0].device)
         self.grads = self.flat[:offset]
         self.flags = self.flat[offset:offset + len(params)]
+        # The last bucket's signal slot, before the stop flag (flat[-1]): what is written there comes back summed.
+        self.signal = self.flat[-2:-1] if last else None
         self.views = []
         for p, start in zip(params, spans):
             if p.is_complex():
