@@ -23,7 +23,8 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
-                          loss_reduction='auto', check_data=True, local_steps=None, **all_reduce):
+                          loss_reduction='auto', check_data=True, local_steps=None,
+                          metric_reduction=None, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
     They work wherever they sit in the Trial's callback list, before or after your own callbacks:
@@ -50,6 +51,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             ``reduction='sum'`` is a sum, any other loss a mean), ``'mean'`` or ``'sum'`` (say so for a
             loss function that sums over the batch): gradients and loss figures are combined alike
         check_data (bool): the data sentinel of :class:`SetSamplerEpoch` (every rank given the same data)
+        metric_reduction (dict): how metrics whose batch values are not per-sample means combine over
+            ranks, by name: ``{'running_peak': 'max'}`` (``'mean'``, ``'sum'``, ``'max'``, ``'min'``,
+            ``'rank0'``; see :class:`ReduceMetrics` and :func:`~torchbearer_dist.reduce_metric`)
         local_steps (int): train ``local_steps`` steps locally between two averagings, with :class:`DiLoCo`
             in place of :class:`AllReduceGradients` (for slow links); ``**all_reduce`` then holds
             DiLoCo's options (``outer_lr``, ``outer_momentum``, ``compression``, ...); None (the default)
@@ -63,7 +67,8 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
     """
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data),
                  EvenBatches(policy=uneven),
-                 ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction), RankZeroOutput()]
+                 ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction,
+                               metric_reduction=metric_reduction), RankZeroOutput()]
     if flatten_images:
         callbacks.append(FlattenImages())
     if local_steps is not None:
