@@ -201,6 +201,7 @@ def test_an_undeclared_batch_max_is_averaged_and_said_once_in_each_trial(figures
     assert first['peak_raw'] < reference['peak_raw'] - 1e-3  # the mean over ranks of maxima is below the max
     assert first['peak'] == pytest.approx(reference['peak'], abs=2e-6)
     said = ranks[0]['said']
+    assert sorted(said[0]) == sorted(said[1]) == sorted([ASSUMED, UNKNOWN])  # known and declared ones are silent
     assert [s for s in said[0] if 'peak_raw' in s] == [ASSUMED]
     assert [s for s in said[1] if 'peak_raw' in s] == [ASSUMED]  # the second Trial hears it again
     assert [s for s in said[2] if 'peak_raw' in s] == []  # declared 'mean'
