@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _peers
+from torchbearer_dist.runtime import _peers, _verdict
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
@@ -192,6 +192,27 @@ def frozen(rank, seconds, limit):
                  'and the other ranks took it for lost: it was stopped (Ctrl-Z, kill -STOP), its machine was paused, '
                  'or its main thread held the GIL in one native call; let it run, or raise rendezvous_timeout='.format(
                      rank, seconds, limit))
+
+
+def cause_of(verdict, env):
+    """The :class:`Cause` for a heartbeat's :class:`~torchbearer_dist.runtime._verdict.Verdict`.
+
+    Args:
+        verdict (Verdict): what the heartbeat judged
+        env (DistEnv): this process's place in the job
+
+    Returns:
+        Cause or None: None for a cause another rank published (read it from the store)
+    """
+    if verdict.kind == _verdict.PUBLISHED:
+        return None
+    if verdict.kind == _verdict.FROZEN:
+        return frozen(verdict.rank, verdict.seconds, env.meet_timeout.total_seconds())
+    if verdict.kind == _verdict.DIED:
+        return died([verdict.rank])
+    if verdict.kind == _verdict.MASTER_SILENT:
+        return master_silent(env, verdict.seconds)
+    return no_heartbeat(verdict.rank, verdict.seconds)
 
 
 def is_guess(cause):

@@ -17,13 +17,12 @@ outlasted the rendezvous timeout, what it then finds wrong is its own pause, and
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, _peers
+from torchbearer_dist.runtime import _diagnosis, _peers, _verdict
+from torchbearer_dist.runtime._verdict import LEFT  # noqa: F401 (re-exported: the leave mark)
 
 _INTERVAL = 1.0
 #: Beats per rendezvous timeout, at least: a beat that falls late under load is not yet a silence.
 _BEATS_PER_LIMIT = 4
-#: Added to a rank's heartbeat counter when it leaves the job cleanly: from then on it is not watched.
-LEFT = 1 << 40
 
 
 class Watchdog:
@@ -31,6 +30,7 @@ class Watchdog:
 
     Two daemon threads: one makes the store calls (a call to a silent host can block past any
     timeout), the other judges how long ago they last succeeded, so a blocked call is noticed too.
+    Both only sample and apply: the judgement is :func:`~torchbearer_dist.runtime._verdict.judge`.
 
     Args:
         env (DistEnv): this process's place in the job
@@ -40,19 +40,22 @@ class Watchdog:
             so that the cause can be published there
         interval (float): seconds between beats, at most; shorter where the rendezvous timeout is
             under :data:`_BEATS_PER_LIMIT` of them
+        dead_ranks (callable): the local peer ranks whose process is gone (by default
+            :func:`torchbearer_dist.runtime._peers.dead_local_ranks`)
     """
 
-    def __init__(self, env, store, on_failure, interval=_INTERVAL):
+    def __init__(self, env, store, on_failure, interval=_INTERVAL, dead_ranks=None):
         self.limit = env.meet_timeout.total_seconds()
         self.env, self.store, self.on_failure = env, store, on_failure
         self.interval = min(interval, self.limit / _BEATS_PER_LIMIT)
+        self._dead_ranks = dead_ranks or _peers.dead_local_ranks
         watched = list(range(env.world_size)) if env.rank == 0 else [0]
         self.watched = [r for r in watched if r != env.rank]
+        self.limits = _verdict.Limits(env.rank, tuple(self.watched), self.limit)
         now = time.monotonic()
-        self._seen = (now, now, False, None)  # last success: began, ended, error published, heartbeat values
-        self._failed = 0.0  # when a store round last failed
-        self.awake = now  # when the watch thread last ran
-        self._frozen = None  # (seconds, when) of the last pause of this process longer than the limit
+        self._seen = _verdict.Sample(now, now)  # the last store round that succeeded
+        self._failed = (float('-inf'), 0)  # when a store round last failed, and how many in a row
+        self._memory = _verdict.start(now)  # replaced by the watch thread at each wake-up
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name='torchbearer_dist-heartbeat', daemon=True),
                          threading.Thread(target=self._watch, name='torchbearer_dist-watchdog', daemon=True)]
@@ -98,12 +101,8 @@ class Watchdog:
         Also right after the pause, before the watch thread has run again: its last wake-up is then
         older than the limit.
         """
-        now = time.monotonic()
-        if now - self.awake > self.limit:
-            return _diagnosis.frozen(self.env.rank, now - self.awake, self.limit)
-        if self._frozen is not None and now - self._frozen[1] <= self.limit:
-            return _diagnosis.frozen(self.env.rank, self._frozen[0], self.limit)
-        return None
+        seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
+        return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limit)
 
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
@@ -112,58 +111,26 @@ class Watchdog:
             try:
                 store.add('hb/{}'.format(self.env.rank), 1)
                 error = store.check(['error'])
-                values = store.multi_get(keys) if keys else []
+                values = tuple(int(v) for v in store.multi_get(keys)) if keys else ()
             except Exception:
-                self._failed = time.monotonic()
+                self._failed = (time.monotonic(), self._failed[1] + 1)
                 continue
-            self._seen = (began, time.monotonic(), error, values)
+            self._failed = (self._failed[0], 0)
+            self._seen = _verdict.Sample(began, time.monotonic(), error, values)
 
     def _watch(self):
-        # A counter is sampled every interval. The silence is counted from the sample that saw its
-        # last change: that beat surely came no earlier, so a peer named silent for the limit was
-        # silent at least that long. Counted from the sample before (the earliest the beat could have
-        # come), a peer beating a little slower than it is sampled, as a busy rank 0 does, was named
-        # silent whenever one sample window held no beat: 1 healthy job in 30 under load, measured.
-        # The price is a peer named up to one interval after the limit. Judged four times per beat.
-        # A wake-up gap of half the limit means this process did not run (a thread of a loaded machine
-        # waits far less): what was read before is not judged, and silences count from the first
-        # round begun after it. A gap of a beat or two is not a pause: resetting the silences then
-        # let a loaded rank 0 never name a stopped peer.
-        last, changed, sample, dead, resumed = {}, {}, None, {}, self.awake
+        # Sample four times per beat, judge (a pure function, see _verdict), apply. The local peers are
+        # read before the clock: a peer seen gone at `now` surely went before it (and marked itself left
+        # before that, if it did), so a round begun after `now` reads its leave mark.
         while not self._stop.wait(self.interval / 4):
+            dead = frozenset(self._dead_ranks())
             now = time.monotonic()
-            gap, self.awake = now - self.awake, now
-            if gap > self.limit / 2:
-                last, changed, resumed = {}, {}, now
-                if gap > self.limit:
-                    self._frozen = (gap, now)
-            for rank in _peers.dead_local_ranks():
-                dead.setdefault(rank, now)
-            began, reached, error, values = self._seen
-            if error:
-                return self._fail(None, True)
-            # silent, or gone while this rank did not run (then _fail names the pause)
-            if self.env.rank != 0 and (now - max(reached, resumed) > self.limit or
-                                       self._failed > resumed and self.frozen_cause() is not None):
-                return self._fail(_diagnosis.master_silent(self.env, self.limit), False)
-            if values is None or reached == sample or began < resumed:
-                continue
-            sample = reached
-            for rank, value in zip(self.watched, values):
-                if int(value) >= LEFT:
-                    continue
-                # gone while still beating, and not marked left after it was seen gone: killed or crashed.
-                # One whose beats had stopped before (cut off from the store, it gave up on rank 0) is
-                # named below for its silence, as a host cut off from this one is.
-                if rank in dead and reached > dead[rank] and dead[rank] - changed.get(rank, now) <= self.limit / 2:
-                    return self._fail(_diagnosis.died([rank]), rank != 0)  # rank 0 held the store
-                if last.get(rank) != value:
-                    last[rank], changed[rank] = value, reached
-                elif reached - changed[rank] > self.limit:
-                    return self._fail(_diagnosis.no_heartbeat(rank, self.limit), True)
+            failed, failures = self._failed
+            seen = _verdict.Observation(now, self._seen, failed, failures, dead)
+            self._memory, verdict = _verdict.judge(self._memory, seen, self.limits)
+            if verdict is not None:
+                return self._fail(verdict)
 
-    def _fail(self, cause, store_answers):
-        if cause is not None:  # what goes wrong right after a long pause of this rank is that pause
-            cause = self.frozen_cause() or cause
+    def _fail(self, verdict):
         if not self._stop.is_set():
-            self.on_failure(cause, store_answers)
+            self.on_failure(_diagnosis.cause_of(verdict, self.env), verdict.store_answers)
