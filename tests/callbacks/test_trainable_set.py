@@ -104,10 +104,15 @@ def _scenario_one_rank_only():
     return None
 
 
+def _scenario_powersgd():
+    """PowerSGD holds no bucket for the word to ride in: it travels in a flag all-reduce of its own."""
+    return _train(dist.get_world_size(), True, 'on_sample', batch=(0, 3), compression='powersgd', powersgd_rank=1)
+
+
 def _worker():
     world_size = dist.get_world_size()
     scenarios = [(name, lambda case=case: _train(world_size, True, **case)) for name, case in CASES.items()]
-    return run_in_step(scenarios + [('one rank only', _scenario_one_rank_only)])
+    return run_in_step(scenarios + [('one rank only', _scenario_one_rank_only), ('powersgd', _scenario_powersgd)])
 
 
 @pytest.fixture(scope='module', params=[2, 3], ids=['2ranks', '3ranks'])
@@ -128,6 +133,15 @@ def test_unfreezing_at_any_callback_equals_one_process(world, name):
         assert difference < 1e-6
     frozen = _model(SEED)  # the backbone did move: its unfreezing was followed, not ignored
     assert not torch.equal(expected['0.weight'], frozen[0].weight)
+
+
+@pytest.mark.slow
+def test_unfreezing_under_powersgd_keeps_the_replicas_identical(world):
+    _, results = world
+    replicas = scenario_values(results, 'powersgd')
+    for replica in replicas[1:]:  # approximate averages, but the same on every rank: the sentinel saw no drift
+        assert all(torch.equal(replica[k], replicas[0][k]) for k in replicas[0])
+    assert not torch.equal(replicas[0]['0.weight'], _model(SEED)[0].weight)
 
 
 @pytest.mark.slow
