@@ -12,6 +12,10 @@ def wrap_ddp(model, local_rank=None, **ddp_kwargs):
 
     DDP then broadcasts rank 0's weights and averages gradients itself, so the Trial runs without
     :class:`~torchbearer_dist.AllReduceGradients`. Without CUDA the model is wrapped for CPU (gloo).
+    DDP averages only this model, and only the parameters trainable when it is wrapped: on the DDP
+    path (``distributed_callbacks(ddp=True)``) the package averages every other model the Trial holds
+    (a GAN's discriminator), and stops every rank if a parameter inside the wrapped model changes
+    trainability; set ``requires_grad`` before wrapping.
 
     Example:
 
