@@ -105,8 +105,12 @@ def worker_main(path):
         pickle.dump(result, f)
 
 
-def run_link(hosts, link, config, args, scratch):
-    """Shape the links, run one job of every host, and return each rank's raw records."""
+def run_link(hosts, link, config, args, scratch, script=None):
+    """Shape the links, run one job of every host, and return each rank's raw records.
+
+    ``script`` is the file each rank runs with ``--worker`` (this one by default; benchmarks/diloco.py
+    passes its own).
+    """
     hosts.shape(None if link == 'none' else link)
     processes, results = [], []
     for rank in range(args.hosts):
@@ -117,7 +121,7 @@ def run_link(hosts, link, config, args, scratch):
             json.dump(job, f)
         env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
             [os.path.dirname(HERE)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
-        processes.append(subprocess.Popen(hosts.command(rank, [sys.executable, os.path.abspath(__file__),
+        processes.append(subprocess.Popen(hosts.command(rank, [sys.executable, script or os.path.abspath(__file__),
                                                               '--worker', path]), env=env))
         results.append(job['result'])
     deadline = time.monotonic() + 4 * args.timeout

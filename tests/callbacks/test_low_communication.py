@@ -125,6 +125,32 @@ def _stop():
     return stopper.trained
 
 
+class _SecondModel(Callback):
+    """A GAN-like second model and optimizer under keys of the program's own, stepped inside every step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7 + dist.get_rank())
+        self.critic = nn.Linear(3, 1)
+        self.optimizer = torch.optim.SGD(self.critic.parameters(), lr=LR)
+
+    def on_start(self, state):
+        state[torchbearer.state_key('critic')] = self.critic
+        state[torchbearer.state_key('critic_optimizer')] = self.optimizer
+
+    def on_backward(self, state):
+        self.optimizer.zero_grad()
+        self.critic(state[torchbearer.Y_PRED].detach()).pow(2).mean().backward()
+        self.optimizer.step()
+
+
+def _second_model():
+    second = _SecondModel()
+    initial = second.critic.weight.detach().clone()
+    _trial('mlp', dict(local_steps=3), extra=[second])
+    return {'critic': _snapshot(second.critic), 'initial': initial}
+
+
 def _no_hooks():
     class Wrapper:  # an optimizer wrapper without torch's step hooks
         def __init__(self, optimizer):
@@ -168,7 +194,8 @@ def _momentum_sgd(model):
 def _worker(directory):
     torch.set_num_threads(1)
     return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
-                        ('no_hooks', _no_hooks), ('resume', functools.partial(_resume, directory))])
+                        ('second_model', _second_model), ('no_hooks', _no_hooks),
+                        ('resume', functools.partial(_resume, directory))])
 
 
 @pytest.fixture(scope='module')
@@ -203,6 +230,12 @@ def test_replicas_are_bit_identical_after_nesterov_outer_steps_with_batchnorm(tr
 
 def test_a_stop_on_one_rank_stops_every_rank_at_the_next_outer_step(trained):
     assert scenario_values(trained, 'stop') == [3, 3]  # asked at step 2 on rank 1; the outer step at 3 carries it
+
+
+def test_a_second_model_and_optimizer_under_other_keys_are_averaged_too(trained):
+    rank0, rank1 = scenario_values(trained, 'second_model')
+    _assert_equal(rank0['critic'], rank1['critic'])  # stepped apart on each rank, averaged at each outer step
+    assert not torch.equal(rank0['critic']['weight'], rank0['initial'])
 
 
 def test_an_optimizer_without_step_hooks_is_refused_at_the_start_of_the_run(trained):

