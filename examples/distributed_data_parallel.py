@@ -56,6 +56,7 @@ def sync_callbacks(ddp=False):
         tbd.EvenBatches(),  # each epoch: the same number of steps everywhere
         tbd.ReduceMetrics(),  # each epoch: metrics over all ranks' samples
         tbd.RankZeroOutput(),  # rank 0 alone prints, logs and saves
+        tbd.CommunicationReport(),  # each epoch: where the time went
         tbd.FlattenImages(),  # each batch: 1x28x28 images to 784 inputs
         tbd.AgreeOnStop() if ddp else tbd.AllReduceGradients(),  # averages
     ]

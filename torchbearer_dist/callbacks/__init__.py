@@ -5,6 +5,7 @@ process, so the same Trial runs unchanged with and without distribution.
 :func:`distributed_callbacks` returns the standard set.
 """
 from torchbearer_dist.callbacks.broadcast import BroadcastParameters
+from torchbearer_dist.callbacks.comm_report import CommunicationReport
 from torchbearer_dist.callbacks.even_batches import EvenBatches
 from torchbearer_dist.callbacks.gradients import SKIPPED_STEPS, AllReduceGradients
 from torchbearer_dist.callbacks.images import FlattenImages
@@ -17,13 +18,14 @@ from torchbearer_dist.callbacks.sampler import SetSamplerEpoch
 from torchbearer_dist.callbacks.stop import AgreeOnStop
 
 __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas',
+           'CommunicationReport',
            'DiLoCo',
            'EvenBatches', 'FlattenImages', 'RankZeroOnly', 'RankZeroOutput', 'ReduceMetrics', 'ScaleLearningRate',
            'SetSamplerEpoch', 'distributed_callbacks']
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
-                          loss_reduction='auto', check_data=True, local_steps=None,
+                          loss_reduction='auto', check_data=True, local_steps=None, report=True,
                           metric_reduction=None, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
@@ -54,6 +56,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         metric_reduction (dict): how metrics whose batch values are not per-sample means combine over
             ranks, by name: ``{'running_peak': 'max'}`` (``'mean'``, ``'sum'``, ``'max'``, ``'min'``,
             ``'rank0'``; see :class:`ReduceMetrics` and :func:`~torchbearer_dist.reduce_metric`)
+        report (bool): add :class:`CommunicationReport`: each epoch, rank 0 prints where the training
+            time went (bytes sent, waits on communication, link rate, slowest rank) and the history
+            holds the figures; ``False`` leaves it out
         local_steps (int): train ``local_steps`` steps locally between two averagings, with :class:`DiLoCo`
             in place of :class:`AllReduceGradients` (for slow links); ``**all_reduce`` then holds
             DiLoCo's options (``outer_lr``, ``outer_momentum``, ``compression``, ...); None (the default)
@@ -63,12 +68,15 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
 
     Returns:
         list: BroadcastParameters, SetSamplerEpoch, EvenBatches, ReduceMetrics, RankZeroOutput,
-        optionally FlattenImages, and AllReduceGradients (or AgreeOnStop; or DiLoCo with ``local_steps``) last
+        CommunicationReport (unless ``report=False``), optionally FlattenImages, and AllReduceGradients
+        (or AgreeOnStop; or DiLoCo with ``local_steps``) last
     """
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data),
                  EvenBatches(policy=uneven),
                  ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction,
                                metric_reduction=metric_reduction), RankZeroOutput()]
+    if report:
+        callbacks.append(CommunicationReport())
     if flatten_images:
         callbacks.append(FlattenImages())
     if local_steps is not None:

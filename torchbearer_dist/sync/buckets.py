@@ -28,6 +28,7 @@ a stop flag, so a stop requested on any rank reaches all of them without an extr
 Sparse gradients travel densified and come back sparse; complex parameters travel as real pairs.
 """
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,9 @@ class GradientBuckets:
         self.synced = False  # a backward of the current step synchronized
         self.stop = False  # after a synchronizing backward: some rank asked to stop
         self.nonfinite = False  # after a synchronizing backward: the average held NaN or Inf (grads cleared)
+        # What the communication cost, totals since construction (see traffic()); perf_counter around waits only.
+        self.bytes_sent, self.wait_seconds, self.comm_seconds = 0, 0.0, 0.0
+        self._sent_at = self._waited_at = None
 
     def same_params(self, params):
         """Whether ``params`` are exactly these parameters, compared by identity, in the same order."""
@@ -156,6 +160,7 @@ class GradientBuckets:
                 bucket.reset()
             self._next = 0
             self._unfinished = False
+            self._sent_at = None
         self._armed = True
         self._in_backward = self.synced = self.stop = False
         self.began = 0
@@ -256,11 +261,17 @@ class GradientBuckets:
                 bucket.grads.div_(self._divisor)
             bucket.wire = bucket.flat.to(self.compression)
         bucket.sent = self._unfinished = True
+        if self._sent_at is None:
+            self._sent_at = time.perf_counter()
         bucket.work = dist.all_reduce(bucket.wire, async_op=True)
+        self.bytes_sent += bucket.wire.numel() * bucket.wire.element_size()
 
     def _wait(self, bucket):
         """Wait for one bucket's all-reduce and leave the average in ``bucket.flat``."""
+        begin = time.perf_counter()
         bucket.work.wait()
+        self._waited_at = time.perf_counter()
+        self.wait_seconds += self._waited_at - begin
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
         elif self._divisor != 1:
@@ -290,6 +301,9 @@ class GradientBuckets:
             if bucket.last:
                 stop = bucket.flat[-1].item() > 0
             bucket.reset()
+        if self._sent_at is not None:  # from the first bucket sent to the end of the last wait: the link in use
+            self.comm_seconds += self._waited_at - self._sent_at
+            self._sent_at = None
         self.stop = self.stop or stop
         self._next = 0
         self._stop = 0.0
@@ -301,6 +315,22 @@ class GradientBuckets:
         if nonfinite:
             for p in self.params:
                 p.grad = None
+
+    def traffic(self):
+        """What communication cost so far: totals since construction, PowerSGD's included.
+
+        Returns:
+            tuple: ``(bytes_sent, wait_seconds, comm_seconds)``: the payload bytes this rank handed to
+            all-reduce (gradients, presence flags and the stop flag, in the wire dtype; a ring all-reduce
+            then moves ``2 (N - 1) / N`` times that over each rank's link, the payload itself for two
+            ranks); the seconds the steps waited for all-reduces after backward had finished (the
+            communication backward did not hide); and the seconds communication was in flight, from
+            each step's first all-reduce to the end of its last wait
+        """
+        if self.powersgd is None:
+            return self.bytes_sent, self.wait_seconds, self.comm_seconds
+        sent, waited = self.powersgd.bytes_sent, self.powersgd.wait_seconds  # synchronous: in flight = waited
+        return self.bytes_sent + sent, self.wait_seconds + waited, self.comm_seconds + waited
 
     def all_finite(self):
         """Whether every averaged gradient is finite; identical on all ranks after :meth:`reduce`.

@@ -15,6 +15,8 @@ instead of one of the whole matrix:
 ``min_compression_rate`` travel uncompressed. The replicas stay bit-identical: every rank
 computes the same ``P``, ``Q`` and averaged vectors from the same all-reduced values.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -116,6 +118,13 @@ class PowerSGD:
         self._errors = [torch.zeros(n, m, **kw) for _, n, m, _ in self.matrices] if error_feedback else None
         self._work = [torch.zeros(n, m, **kw) for _, n, m, _ in self.matrices]
         self._q_ready = False
+        self.bytes_sent, self.wait_seconds = 0, 0.0  # payload bytes handed to all-reduce; seconds inside them
+
+    def _all_reduce(self, tensor):
+        begin = time.perf_counter()
+        dist.all_reduce(tensor, group=self.group)
+        self.wait_seconds += time.perf_counter() - begin
+        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     @staticmethod
     def _views(flat, shapes, offset):
@@ -151,7 +160,7 @@ class PowerSGD:
             flag.fill_(p.grad is not None)
             view.copy_(p.grad.reshape(-1, 1)) if p.grad is not None else view.zero_()
         full[-1] = float(stop)
-        dist.all_reduce(full, group=self.group)
+        self._all_reduce(full)
         full[:-len(self.params) - 1].div_(dist.get_world_size(self.group))
         used = (flags > 0).tolist()
         self._set_grads(views, range(len(self.params)), used)
@@ -196,11 +205,11 @@ class PowerSGD:
             _orthonormalize(self._qs[k], self.epsilon)
             torch.matmul(work, self._qs[k], out=self._ps[k])
         self.flat[-1] = float(stop)
-        dist.all_reduce(self.flat, group=self.group)  # uncompressed gradients, P factors, flags, stop
+        self._all_reduce(self.flat)  # uncompressed gradients, P factors, flags, stop
         for k in range(len(self.matrices)):
             _orthonormalize(self._ps[k], self.epsilon)
             torch.matmul(self._work[k].t(), self._ps[k], out=self._qs[k])
-        dist.all_reduce(self.qflat, group=self.group)
+        self._all_reduce(self.qflat)
         self.qflat.div_(world_size)
         used = (self._flags > 0).tolist()
         for view in self._dense_views:
