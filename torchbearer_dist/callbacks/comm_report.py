@@ -71,7 +71,7 @@ class CommunicationReport(Callback):
     ``state[torchbearer.METRICS]``, so they land in the history ``trial.run()`` returns:
 
     - ``comm_bytes``: the payload bytes each rank handed to all-reduce during the training pass
-      (gradients in their wire dtype, with one presence flag per parameter and a stop flag; equal on
+      (gradients in their wire dtype, one presence flag per parameter, the stop and control flags; equal on
       every rank). A ring all-reduce moves ``2 (N - 1) / N`` times that over each rank's link in each
       direction: for two ranks, the payload itself.
     - ``comm_wait_s``: the seconds the steps waited for all-reduces once backward had finished, the

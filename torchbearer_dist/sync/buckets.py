@@ -321,7 +321,7 @@ class GradientBuckets:
 
         Returns:
             tuple: ``(bytes_sent, wait_seconds, comm_seconds)``: the payload bytes this rank handed to
-            all-reduce (gradients, presence flags and the stop flag, in the wire dtype; a ring all-reduce
+            all-reduce (gradients, presence flags and control slots, in the wire dtype; a ring all-reduce
             then moves ``2 (N - 1) / N`` times that over each rank's link, the payload itself for two
             ranks); the seconds the steps waited for all-reduces after backward had finished (the
             communication backward did not hide); and the seconds communication was in flight, from
