@@ -24,6 +24,7 @@ import os
 import random
 from dataclasses import dataclass, field, replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +46,8 @@ from torchbearer_dist.runtime._verdict import (
 
 INF = float('inf')
 #: Schedules per property: about 25 s for both on one core; the soak step (TORCHBEARER_DIST_TEST_SOAK=1) tries 20x.
-EXAMPLES = 20000 if os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1' else 1000
+SOAK = os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1'
+EXAMPLES = 20000 if SOAK else 1000
 #: The rendezvous timeouts tried: the beat is a quarter of the short ones, a second for the others.
 LIMITS = (1.0, 2.0, 3.0, 6.0, 10.0)
 #: Seconds between a rank's verdict and its exit: publish, wake, unwind (rank 0 waits for its readers).
@@ -239,6 +241,7 @@ def healthy_jobs(draw):
     return seed, world_size, limit, stop * limit, slowed, spurious
 
 
+@pytest.mark.timeout(1800 if SOAK else 180)
 @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(healthy_jobs())
 def test_no_healthy_schedule_is_ever_judged_failed(job):
@@ -275,6 +278,7 @@ def failed_jobs(draw):
     return seed, world_size, limit, fault, culprit
 
 
+@pytest.mark.timeout(1800 if SOAK else 180)
 @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(failed_jobs())
 def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):

@@ -3,6 +3,7 @@
 The aggregation itself lives in :mod:`torchbearer_dist.callbacks._aggregators`; this module holds the callback
 that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
 """
+import time
 import warnings
 
 import torch
@@ -309,9 +310,14 @@ def _check_in(what):
         return  # monitored_barrier is gloo's: under nccl a missing rank shows as the collective timeout
     env = current_env()
     timeout = None if env is None else getattr(env, 'meet_timeout', env.timeout)
+    started = time.monotonic()
     try:
         dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
+        if timeout is not None and time.monotonic() - started < timeout.total_seconds() / 2:
+            # it did not wait for a missing rank: the group failed under it (a peer's error, the heartbeat's
+            # verdict), and the group's own handler names that cause
+            raise
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError('{}() is a collective that every rank must call, but not every rank joined rank {} within '
                            '{} s ({}); call {}() on every rank'.format(what, collectives.rank(), _seconds(timeout),
