@@ -92,7 +92,7 @@ class _LiveGroup:
                                           if c not in self.main_connections]
             client.set_timeout(timedelta(seconds=min(5.0, env.meet_timeout.total_seconds() / 2)))
             self.watchdog = Watchdog(env, client, lambda cause, store_answers: self._on_watchdog(
-                client, cause, store_answers)).start()
+                client, cause, store_answers), dead_ranks=lambda: _peers.dead_local_ranks(self.peers)).start()
 
     def _on_watchdog(self, client, cause, store_answers):
         """From the heartbeat's thread: publish what it found where the store still answers (or read what
