@@ -77,7 +77,7 @@ class _LiveGroup:
         self.env, self.store, self.socket = env, store, sock
         self.peers, self.watchdog, self.cause, self.gloo, self.connecting = {}, None, None, None, False
         self.main_connections, self.heartbeat_connections, self.stopped = [], [], []
-        self.excepthooks = None
+        self.excepthooks, self.ended = None, False
         atexit.register(self._at_exit)
 
     def start_watchdog(self, environ):
@@ -198,19 +198,19 @@ class _LiveGroup:
     def end(self, at_exit=False):
         """Tear the group down as far as torch allows and forget it; safe twice, or after a failure."""
         global _live
-        self.stop_watchdog()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a broken group is torn down as far as torch allows
-                pass
-        self.gloo, self.cause, self.main_connections, self.peers = None, None, [], {}
-        if self.excepthooks is not None and sys.excepthook is self.excepthooks[1]:  # torch never gives it back
-            sys.excepthook = self.excepthooks[0]
-        self.excepthooks = None
-        if self.socket is not None:
-            self.socket.close()
-            self.socket = None
+        if not self.ended:  # once: a later group of this process is not this one's to destroy
+            self.ended = True
+            self.stop_watchdog()
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # a broken group is torn down as far as torch allows
+                    pass
+            self.gloo, self.cause, self.main_connections, self.peers = None, None, [], {}
+            if self.excepthooks is not None and sys.excepthook is self.excepthooks[1]:  # torch never gives it back
+                sys.excepthook = self.excepthooks[0]
+            if self.socket is not None:
+                self.socket.close()
         if _live is self:
             _live = None
         if not at_exit and not self.stopped:
