@@ -23,12 +23,14 @@ import heapq
 import os
 import random
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchbearer_dist.runtime import _verdict
+from torchbearer_dist.runtime import _diagnosis, _verdict
 from torchbearer_dist.runtime._verdict import (
     DIED,
     FROZEN,
@@ -39,10 +41,13 @@ from torchbearer_dist.runtime._verdict import (
     Limits,
     Observation,
     Sample,
+    Verdict,
     judge,
     paused,
     start,
 )
+from torchbearer_dist.runtime.env import DistEnv
+from torchbearer_dist.runtime.errors import PeerFailedError
 
 INF = float('inf')
 #: Schedules per property: about 25 s for both on one core; the soak step (TORCHBEARER_DIST_TEST_SOAK=1) tries 20x.
@@ -398,3 +403,57 @@ def test_a_published_cause_wins_over_what_this_rank_finds():
     _, verdicts = _fold(LIM, Observation(1.0, Sample(0.9, 1.0, False, (1,))),
                         Observation(9.0, Sample(8.9, 9.0, True, (1,)), dead=frozenset([1])))
     assert verdicts == [None, _verdict.Verdict(PUBLISHED, -1, 0.0, True)]
+
+
+# -------------------------------------------------------------------- causes, from facts
+ENV = DistEnv(rank=1, world_size=2, local_rank=1, host='10.0.0.1', port=29500, backend='gloo',
+              timeout=timedelta(seconds=60), rendezvous_timeout=timedelta(seconds=4))
+
+
+def test_each_verdict_is_reported_as_its_cause():
+    line = {kind: None if cause is None else (cause.rank, cause.kind, cause.line()) for kind, cause in (
+        (kind, _diagnosis.cause_of(Verdict(kind, rank, seconds, True), ENV)) for kind, rank, seconds in (
+            (PUBLISHED, -1, 0.0), (SILENT, 0, 4.0), (DIED, 0, 0.0), (MASTER_SILENT, 0, 4.0), (FROZEN, 1, 9.6)))}
+    assert line == {
+        PUBLISHED: None,
+        SILENT: (0, 'network', 'no heartbeat from rank 0 for 4 s: its host is down or the network is partitioned (a '
+                               'rank that is merely busy keeps beating); check that host and the network, or raise '
+                               'rendezvous_timeout='),
+        DIED: (0, 'peer', 'rank 0 died without reporting an error: it was killed (by the OOM killer, or a signal) '
+                          'or crashed in native code; see its log and dmesg'),
+        MASTER_SILENT: (0, 'network', 'no answer from rank 0 (the master at 10.0.0.1:29500) for 4 s: its host is '
+                                      'down or the network is partitioned; check that host and the network, or raise '
+                                      'rendezvous_timeout='),
+        FROZEN: (1, 'network', 'rank 1 did not run for 10 s, longer than the rendezvous timeout (4 s), and the other '
+                               'ranks took it for lost: it was stopped (Ctrl-Z, kill -STOP), its machine was paused, '
+                               'or its main thread held the GIL in one native call; let it run, or raise '
+                               'rendezvous_timeout=')}
+
+
+def _raised(error, filename):
+    try:
+        exec(compile('raise error', filename, 'exec'), {'error': error})
+    except BaseException as caught:
+        return caught
+
+
+def test_a_collective_error_is_told_by_its_type_and_where_it_was_raised_not_by_its_words():
+    inside = os.path.join(os.path.dirname(dist.__file__), 'distributed_c10d.py')
+    assert _diagnosis.is_collective_error(_raised(RuntimeError('Connection reset by peer'), inside))
+    assert _diagnosis.is_collective_error(_raised(RuntimeError('Application timeout caused pair closure'), inside))
+    assert _diagnosis.is_collective_error(dist.DistStoreError('anything'))
+    # the rank's own errors, whatever they say
+    assert not _diagnosis.is_collective_error(_raised(RuntimeError('Connection reset by peer'), 'train.py'))
+    assert not _diagnosis.is_collective_error(_raised(RuntimeError('DataLoader timed out'), 'train.py'))
+    assert not _diagnosis.is_collective_error(_raised(ValueError('bad batch'), inside))
+    assert not _diagnosis.is_collective_error(PeerFailedError('rank 0 failed: ValueError: bad batch', 0, 'local'))
+
+
+def test_a_guess_is_a_fact_of_the_cause_and_travels_through_the_store():
+    closed = _diagnosis.Cause(1, _diagnosis.PEER, '', 'rank 1 closed its connection', guess=True)
+    assert _diagnosis.is_guess(closed) and _diagnosis.Cause.from_json(closed.to_json()) == closed
+    assert not _diagnosis.is_guess(_diagnosis.died([1]))
+    assert not _diagnosis.is_guess(_diagnosis.own_cause(1, ValueError('closed its connection without reporting')))
+    assert _diagnosis.is_guess(_diagnosis.no_heartbeat(1, 4.0))
+    # a cause published by a rank of an older release, without the field
+    assert _diagnosis.Cause.from_json('{"exc_type": "", "kind": "peer", "message": "m", "rank": 1}').guess is False

@@ -8,6 +8,7 @@ root cause. The kind is decided by what was caught, never by searching the messa
 "timed out": a rank's own ``DataLoader timed out`` is a local error of that rank, not a dead host.
 """
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -30,11 +31,15 @@ class Cause:
         kind (str): ``'local'``, ``'peer'`` or ``'network'``
         exc_type (str): the exception type's name, ``''`` when the rank could not say
         message (str): one line
+        guess (bool): only guessed from how a collective failed (a closed connection, a timeout), rather
+            than published by a rank, judged by the heartbeat, seen in the process table or told by a
+            refused connection
     """
     rank: int
     kind: str
     exc_type: str
     message: str
+    guess: bool = False
 
     def line(self):
         """str: the sentence every rank reports, e.g. ``'rank 1 failed: ValueError: bad batch'``."""
@@ -72,18 +77,36 @@ def own_cause(rank, error):
     return Cause(rank, LOCAL, type(error).__name__, text[0] if text else '')
 
 
+_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
+
+
+def _raised_in_torch_distributed(error):
+    """Whether the innermost frame of ``error``'s traceback is torch.distributed's own code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED)
+
+
 def is_collective_error(error):
     """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code.
 
-    torch raises :class:`torch.distributed.DistError` (and its subclasses) from the store and from
-    nccl; gloo raises a plain RuntimeError whose text starts with the location in gloo's sources.
+    Decided by facts about the exception, its type and where it was raised: torch raises
+    :class:`torch.distributed.DistError` (and its subclasses) from the store and from nccl, and gloo a
+    plain RuntimeError out of a torch.distributed call. One case is left to gloo's words: a RuntimeError
+    from waiting on a collective's ``Work`` outside torch.distributed (``GradientBuckets``), whose first
+    line names gloo (the location in its sources).
     """
     if isinstance(error, PeerFailedError):
         return False
     if isinstance(error, getattr(dist, 'DistError', ())):
         return True
+    if type(error) is not RuntimeError:
+        return False
+    if _raised_in_torch_distributed(error):
+        return True
     lines = str(error).strip().splitlines()
-    return type(error) is RuntimeError and bool(lines) and 'gloo' in lines[0].lower()
+    return bool(lines) and 'gloo' in lines[0].lower()
 
 
 def _is_timeout(error):
@@ -216,9 +239,9 @@ def cause_of(verdict, env):
 
 
 def is_guess(cause):
-    """Whether ``cause`` was only guessed from gloo's words (a timeout, a closed connection), rather than
-    published by a rank, seen in the process table or told by a refused connection."""
-    return cause.kind == NETWORK or (cause.kind == PEER and _CLOSED in cause.message)
+    """Whether ``cause`` names a rank less surely than a rank's own report, a death seen in the process
+    table or a refused connection could: a silence (the network's kind), or :attr:`Cause.guess`."""
+    return cause.kind == NETWORK or cause.guess
 
 
 _CLOSED = 'closed its connection without reporting an error'
@@ -260,4 +283,4 @@ def diagnose(store, env, error):
         return silent(env, who, env.timeout.total_seconds()), False
     return Cause(who if isinstance(who, int) else -1, PEER, '', ('{} ' + _CLOSED + ': it exited or was killed; '
                  'see its log').format(
-                     'rank {}'.format(who) if isinstance(who, int) else who)), False
+                     'rank {}'.format(who) if isinstance(who, int) else who), guess=True), False
