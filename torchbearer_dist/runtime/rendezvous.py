@@ -247,8 +247,11 @@ def handshake(store, env):
                            '--rank, or stop the stale job using that port'.format(
                                env.rank, held.rsplit(' ', 1)[0], env.address))
     store.add('hb/{}'.format(env.rank), 1)  # the watchdog's heartbeat counter exists before anyone reads it
-    store.set('world_size/{}'.format(env.rank), str(env.world_size))
+    # where it runs before its world size, which the others wait for: a rank that has its world size has its
+    # address, and the others never block reading it (a rank stopped between the two sets, e.g. by Ctrl-C,
+    # held its peers for the whole rendezvous timeout in that read, which no published cause ends)
     store.set('addr/{}'.format(env.rank), _peers.identity())
+    store.set('world_size/{}'.format(env.rank), str(env.world_size))
     for other in range(env.world_size):
         if other == env.rank:
             continue
