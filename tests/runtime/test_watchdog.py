@@ -29,24 +29,32 @@ def store():
     del server
 
 
+#: Seconds a thread of this process may wait for a core on a machine loaded 6x its cores, on top of the
+#: watchdog's own bound (the limit, one beat of sampling and one of judging).
+LOADED = 3.0
+
+
 def _watch(store, period, beats):
-    """Beat rank 0's counter every ``period`` s, ``beats`` times, under a watchdog of rank 1; return
-    what the watchdog reported and when, measured from the last beat."""
-    failures, last_beat = [], [time.monotonic()]
+    """Beat rank 0's counter every ``period`` s, ``beats`` times, under a watchdog of rank 1; return what the
+    watchdog reported and when, measured from the last beat, and the longest gap between two beats (a
+    bound on it: each is timed from before its store call)."""
+    failures, beaten = [], []
     watchdog = Watchdog(_env(), store, lambda cause, answers: failures.append((cause, answers, time.monotonic())))
     watchdog.start()
     try:
         for _ in range(beats):
+            beaten.append(time.monotonic())  # the beat lands in the store no earlier
             store.add('hb/0', 1)
-            last_beat[0] = time.monotonic()
             time.sleep(period)
-        deadline = time.monotonic() + 3 * LIMIT
+        deadline = time.monotonic() + 3 * LIMIT + LOADED
         while not failures and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         watchdog.stop()
         watchdog.join()
-    return [(cause.line() if cause else None, answers, round(at - last_beat[0], 2)) for cause, answers, at in failures]
+    gap = max(b - a for a, b in zip(beaten, beaten[1:]))
+    return [(cause.line() if cause else None, answers, round(at - beaten[-1], 2))
+            for cause, answers, at in failures], gap
 
 
 def test_the_beat_is_a_quarter_of_a_short_rendezvous_timeout_and_a_second_at_most():
@@ -54,18 +62,22 @@ def test_the_beat_is_a_quarter_of_a_short_rendezvous_timeout_and_a_second_at_mos
     assert Watchdog(_env(60.0), None, None).interval == 1.0
 
 
+SILENCE = 'no heartbeat from rank 0 for 1 s: its host is down or the network is partitioned (a rank that is ' \
+          'merely busy keeps beating); check that host and the network, or raise rendezvous_timeout='
+
+
 def test_a_peer_beating_slower_than_it_is_sampled_but_within_the_limit_is_never_named(store):
     # Beats 0.75 s apart are sampled every 0.25 s. Counted from the sample before the one that saw a
     # beat (the rule before), the silence read up to 0.75 + 0.25 + the store calls: over the limit.
-    failures = _watch(store, period=0.75 * LIMIT, beats=6)
-    silence = 'no heartbeat from rank 0 for 1 s: its host is down or the network is partitioned (a rank that is ' \
-              'merely busy keeps beating); check that host and the network, or raise rendezvous_timeout='
-    # the last beat's peer then falls silent: named once, after the limit, never before
-    assert [(line, answers) for line, answers, _ in failures] == [(silence, True)], failures
-    assert LIMIT - 0.1 < failures[0][2] < LIMIT + 0.25 * LIMIT + 1.0, failures
+    failures, gap = _watch(store, period=0.75 * LIMIT, beats=6)
+    # the last beat's peer then falls silent: named once, after the limit (never before: the order), within
+    # a beat of sampling and one of judging, plus what a loaded machine adds
+    assert gap < LIMIT, 'this machine stretched a 0.75 s sleep to {:.2f} s: the schedule was not healthy'.format(gap)
+    assert [(line, answers) for line, answers, _ in failures] == [(SILENCE, True)], failures
+    assert LIMIT <= failures[0][2] < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
 
 
 def test_a_peer_that_stops_is_named_within_the_limit_and_one_beat_of_its_last_beat(store):
-    failures = _watch(store, period=0.1, beats=3)
-    assert len(failures) == 1 and failures[0][1] is True, failures
-    assert LIMIT - 0.1 < failures[0][2] < LIMIT + 0.25 * LIMIT + 1.0, failures
+    failures, _ = _watch(store, period=0.1, beats=3)
+    assert [(line, answers) for line, answers, _ in failures] == [(SILENCE, True)], failures
+    assert LIMIT <= failures[0][2] < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
