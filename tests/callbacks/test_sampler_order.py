@@ -217,8 +217,8 @@ REPEATED = ("the training loader (_Hidden) repeats epoch 0's sample order in epo
             'but was not reshuffled (its epoch is still 0: set_epoch was not called)')
 RAISED = REPEATED + ("; call set_epoch(epoch) on the sampler at each epoch start, hold it where SetSamplerEpoch finds "
                      "it (the loader's sampler, or an attribute of the loader), or build the loader with "
-                     "torchbearer_dist.distributed_loader; pass SetSamplerEpoch(check_order='warn') if the "
-                     'repetition is intended')
+                     "torchbearer_dist.distributed_loader; pass check_order='warn' (to distributed_callbacks() or "
+                     'SetSamplerEpoch) if the repetition is intended')
 
 
 @pytest.mark.slow
@@ -338,3 +338,10 @@ def test_check_order_takes_raise_warn_or_false():
         assert torchbearer_dist.SetSamplerEpoch(check_order=value).check_order == value
     with pytest.raises(ValueError, match=r"^check_order should be 'raise', 'warn' or False, but given True$"):
         torchbearer_dist.SetSamplerEpoch(check_order=True)
+
+
+def test_distributed_callbacks_passes_check_order_to_set_sampler_epoch():
+    callbacks = torchbearer_dist.distributed_callbacks(check_order='warn')
+    assert [c.check_order for c in callbacks if isinstance(c, torchbearer_dist.SetSamplerEpoch)] == ['warn']
+    with pytest.raises(ValueError, match=r"^check_order should be 'raise', 'warn' or False, but given 'off'$"):
+        torchbearer_dist.distributed_callbacks(check_order='off')

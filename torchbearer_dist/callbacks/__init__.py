@@ -25,7 +25,7 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
-                          loss_reduction='auto', check_data=True, local_steps=None, report=True,
+                          loss_reduction='auto', check_data=True, check_order='raise', local_steps=None, report=True,
                           metric_reduction=None, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
@@ -53,6 +53,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             ``reduction='sum'`` is a sum, any other loss a mean), ``'mean'`` or ``'sum'`` (say so for a
             loss function that sums over the batch): gradients and loss figures are combined alike
         check_data (bool): the data sentinel of :class:`SetSamplerEpoch` (every rank given the same data)
+        check_order (str or bool): the order sentinel of :class:`SetSamplerEpoch`: a shuffling training
+            loader that repeats the previous epoch's order stops every rank (``'raise'``), warns on rank 0
+            (``'warn'``, where the repetition is intended) or is not checked (``False``)
         metric_reduction (dict): how metrics whose batch values are not per-sample means combine over
             ranks, by name: ``{'running_peak': 'max'}`` (``'mean'``, ``'sum'``, ``'max'``, ``'min'``,
             ``'rank0'``; see :class:`ReduceMetrics` and :func:`~torchbearer_dist.reduce_metric`)
@@ -71,7 +74,7 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         CommunicationReport (unless ``report=False``), optionally FlattenImages, and AllReduceGradients
         (or AgreeOnStop; or DiLoCo with ``local_steps``) last
     """
-    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data),
+    callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data, check_order=check_order),
                  EvenBatches(policy=uneven),
                  ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction,
                                metric_reduction=metric_reduction), RankZeroOutput()]

@@ -131,8 +131,8 @@ class SetSamplerEpoch(Callback):
         if self.check_order == 'raise':
             raise RuntimeError(text + '; call set_epoch(epoch) on the sampler at each epoch start, hold it where '
                                "SetSamplerEpoch finds it (the loader's sampler, or an attribute of the loader), or "
-                               'build the loader with torchbearer_dist.distributed_loader; pass '
-                               "SetSamplerEpoch(check_order='warn') if the repetition is intended")
+                               "build the loader with torchbearer_dist.distributed_loader; pass check_order='warn' "
+                               '(to distributed_callbacks() or SetSamplerEpoch) if the repetition is intended')
         if not self._order_warned and collectives.rank() == 0:
             warnings.warn(text + "; training goes on, as check_order='warn' asks", stacklevel=3)
         self._order_warned = True
