@@ -457,3 +457,15 @@ def test_a_guess_is_a_fact_of_the_cause_and_travels_through_the_store():
     assert _diagnosis.is_guess(_diagnosis.no_heartbeat(1, 4.0))
     # a cause published by a rank of an older release, without the field
     assert _diagnosis.Cause.from_json('{"exc_type": "", "kind": "peer", "message": "m", "rank": 1}').guess is False
+
+
+def test_a_peers_silence_is_read_from_the_heartbeats_memory_not_from_an_error():
+    limits = _verdict.Limits(0, (1, 2), 4.0)
+    memory, _ = _verdict.judge(_verdict.start(0.0), _verdict.Observation(
+        0.5, _verdict.Sample(0.1, 0.2, False, (3, 5))), limits)
+    memory, _ = _verdict.judge(memory, _verdict.Observation(
+        1.5, _verdict.Sample(1.1, 1.2, False, (4, 5 + _verdict.LEFT))), limits)
+    assert _verdict.silence(memory, 3.2) == pytest.approx(2.0)  # rank 1 changed at 1.2; rank 2 left
+    assert _verdict.silence(_verdict.start(0.0), 3.0) is None
+    assert _diagnosis._is_timeout(RuntimeError('Timed out waiting'), None, 4.0) is False
+    assert _diagnosis._is_timeout(RuntimeError('anything'), 2.5, 4.0) is True

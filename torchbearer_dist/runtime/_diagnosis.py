@@ -4,8 +4,9 @@ gloo reports a dead peer as "Connection closed by peer" and a silent one as "Tim
 never naming the rank or its error. Here the first rank to fail publishes a :class:`Cause` (its rank,
 the exception type and whether it was a ``local`` error, a ``peer`` that died or the ``network``)
 under one key of the job's store; every other rank reads it back, so the whole job ends naming one
-root cause. The kind is decided by what was caught, never by searching the message for words such as
-"timed out": a rank's own ``DataLoader timed out`` is a local error of that rank, not a dead host.
+root cause. The kind is decided by facts (what was caught, where it was raised, what the heartbeat
+saw), never by searching the message for words such as "timed out": a rank's own ``DataLoader timed
+out`` is a local error of that rank, not a dead host.
 """
 import json
 import os
@@ -93,26 +94,23 @@ def is_collective_error(error):
 
     Decided by facts about the exception, its type and where it was raised: torch raises
     :class:`torch.distributed.DistError` (and its subclasses) from the store and from nccl, and gloo a
-    plain RuntimeError out of a torch.distributed call. One case is left to gloo's words: a RuntimeError
-    from waiting on a collective's ``Work`` outside torch.distributed (``GradientBuckets``), whose first
-    line names gloo (the location in its sources).
+    plain RuntimeError out of a torch.distributed call; a collective's ``Work`` waited outside
+    torch.distributed (``GradientBuckets``) re-raises gloo's as :class:`torch.distributed.DistBackendError`.
     """
     if isinstance(error, PeerFailedError):
         return False
     if isinstance(error, getattr(dist, 'DistError', ())):
         return True
-    if type(error) is not RuntimeError:
-        return False
-    if _raised_in_torch_distributed(error):
-        return True
-    lines = str(error).strip().splitlines()
-    return bool(lines) and 'gloo' in lines[0].lower()
+    return type(error) is RuntimeError and _raised_in_torch_distributed(error)
 
 
-def _is_timeout(error):
+def _is_timeout(error, silence, limit):
+    """Whether a peer fell silent rather than left: torch said so by the error's type, or the heartbeat
+    saw a watched peer's beat unchanged for half the rendezvous timeout ``limit`` (``silence``, seconds, or
+    None without a heartbeat). A peer that left closed its connection within a beat of its last one."""
     if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
         return True
-    return 'timed out' in str(error).lower()
+    return silence is not None and silence > limit / 2
 
 
 def publish(store, cause):
@@ -247,24 +245,27 @@ def is_guess(cause):
 _CLOSED = 'closed its connection without reporting an error'
 
 
-def diagnose(store, env, error):
+def diagnose(store, env, error, silence=None):
     """Explain what ``error`` means for the job: this rank's own failure, or another rank's.
 
     A collective error is explained by the cause another rank published (waited for at most 3 s),
-    by a peer of this machine that died, or, failing both, by what gloo said (a closed connection:
-    a peer left; a timeout: a peer fell silent). Anything else is this rank's own error.
+    by a peer of this machine that died, or, failing both, by how the collective failed (a peer fell
+    silent, torch's timeout error or the heartbeat's ``silence`` says; else a peer left, closing its
+    connection). Anything else is this rank's own error.
 
     Args:
         store (torch.distributed.Store): the job's store
         env (DistEnv): this process's place in the job
         error (BaseException): what this rank caught
+        silence (float): seconds the heartbeat last saw a watched peer's beat unchanged
+            (:meth:`~torchbearer_dist.runtime._watchdog.Watchdog.silence`); None without a heartbeat
 
     Returns:
         tuple: ``(cause, own)``: the :class:`Cause` to report, and whether it is this rank's own
     """
     if not is_collective_error(error):
         return own_cause(env.rank, error), True
-    timed_out = _is_timeout(error)
+    timed_out = _is_timeout(error, silence, env.meet_timeout.total_seconds())
     reachable = 'ok' if env.rank == 0 else _peers.probe(env.host, env.port)
     if reachable == 'refused':
         return master_gone(env), False

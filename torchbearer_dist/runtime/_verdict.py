@@ -146,6 +146,13 @@ def paused(memory, now, limits):
     return None
 
 
+def silence(memory, now):
+    """Seconds since the longest-silent watched peer's beat last changed (a peer marked left is not
+    silent), or None when no beat has been read since the watch started or this rank's last gap."""
+    times = [memory.changed[rank] for rank, value in memory.last.items() if int(value) < LEFT]
+    return now - min(times) if times else None
+
+
 def judge(memory, seen, limits):
     """Judge one wake-up of the watch thread.
 
@@ -182,6 +189,7 @@ def judge(memory, seen, limits):
     memory = replace(memory, judged=sample.ended, last=last, changed=changed)
     for rank, value in zip(limits.watched, sample.values):
         if int(value) >= LEFT:
+            last[rank] = value  # left: never silent (see silence)
             continue
         if rank in dead and sample.began > dead[rank] and dead[rank] - changed.get(rank, now) <= limit / 2:
             return memory, _blame(Verdict(DIED, rank, 0.0, rank != 0), own, limits)  # rank 0 held the store

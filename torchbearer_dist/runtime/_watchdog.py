@@ -104,6 +104,11 @@ class Watchdog:
         seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
         return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limit)
 
+    def silence(self):
+        """Seconds the longest-silent watched peer's beat has been seen unchanged, or None (see
+        :func:`~torchbearer_dist.runtime._verdict.silence`): how a collective failed, from the heartbeat."""
+        return _verdict.silence(self._memory, time.monotonic())
+
     def _beat(self):
         store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
         while not self._stop.wait(self.interval):

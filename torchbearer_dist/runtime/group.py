@@ -347,7 +347,7 @@ def _joining_failed(live, error):
     cause, own = live.cause, False
     if cause is None:
         deadline = time.monotonic() + (2 * watchdog.interval + 1 if watchdog is not None else 0)
-        cause, own = _diagnosis.diagnose(store, env, error)
+        cause, own = _diagnosis.diagnose(store, env, error, watchdog.silence() if watchdog is not None else None)
         while _diagnosis.is_guess(cause) and live.cause is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if live.cause is not None:
@@ -381,7 +381,10 @@ def _create(live, environ):
             # the group's own method: torch 2.13 has no dist.set_timeout (2.14's is a wrapper of it)
             dist.group.WORLD.set_timeout(env.timeout)
     except RuntimeError as error:
-        if 'connectFullMesh' not in str(error):
+        # gloo's own connect failed: a plain RuntimeError (the store's and torch's own are DistErrors) out
+        # of this connect, while the heartbeat found no peer at fault. Known by where it was raised and
+        # what the heartbeat saw, not by gloo's words.
+        if type(error) is not RuntimeError or live.cause is not None or env.backend != 'gloo':
             raise
         name = interface or environ.get('GLOO_SOCKET_IFNAME')
         where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
@@ -457,10 +460,11 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
         watchdog = live.watchdog
         # a peer that gave up on this rank while it did not run, seen before its watch thread runs again
         frozen = watchdog.frozen_cause() if watchdog and _diagnosis.is_collective_error(error) else None
+        silence = watchdog.silence() if watchdog is not None else None
         live.stop_watchdog()
         cause, own = live.cause or frozen, False
         if cause is None:
-            cause, own = _diagnosis.diagnose(store, env, error)
+            cause, own = _diagnosis.diagnose(store, env, error, silence)
         if env.rank == 0 or cause.rank != 0 or cause.kind == _diagnosis.LOCAL:  # else the store is out of reach
             _diagnosis.publish(store, cause)
         live.stop_peers()

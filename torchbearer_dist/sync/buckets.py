@@ -269,7 +269,12 @@ class GradientBuckets:
     def _wait(self, bucket):
         """Wait for one bucket's all-reduce and leave the average in ``bucket.flat``."""
         begin = time.perf_counter()
-        bucket.work.wait()
+        try:
+            bucket.work.wait()
+        except RuntimeError as error:  # gloo's plain RuntimeError: said to be a collective's by its type
+            if isinstance(error, dist.DistError):
+                raise
+            raise dist.DistBackendError(str(error)) from error
         self._waited_at = time.perf_counter()
         self.wait_seconds += self._waited_at - begin
         if bucket.wire is not bucket.flat:
