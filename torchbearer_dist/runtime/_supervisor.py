@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing import connection
+from multiprocessing import connection, resource_tracker
 
 from torchbearer_dist.runtime import errors, interrupts
 
@@ -109,6 +109,8 @@ class StderrTail:
                 write_end.close()
         else:
             process = make_process(None)
+            # started now, it keeps the launcher's own stderr, not this rank's pipe (which drain() would wait on)
+            resource_tracker.ensure_running()
             saved = os.dup(2)
             try:
                 os.dup2(write_end, 2)
@@ -236,4 +238,4 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
 
 
 def _peer_failure(report):
-    return report is not None and report[0] == 'error' and report[1].startswith(errors.PeerFailedError.__name__)
+    return report is not None and report[0] == 'error' and isinstance(report[3], errors.PeerFailedError)
