@@ -133,22 +133,28 @@ def wait_until_read(store, world_size, seconds=3.0, skip=None):
     """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
     read the cause, so that they can report it before the store goes away with this process.
 
+    Each reader marks itself by its rank (:func:`read_cause`'s ``reader``), so that rank 0's own reads,
+    and a rank that reads twice (its heartbeat and its main thread), count for nobody else.
     ``skip`` is the rank the cause names, which will not read it (it published it, died or fell silent).
     """
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        gone = set(_peers.dead_local_ranks()) | ({skip} if skip not in (None, -1, 0) else set())
+        gone = set(_peers.dead_local_ranks()) | {skip}
+        keys = ['error_seen/{}'.format(r) for r in range(1, world_size) if r not in gone]
         try:
-            if store.add('error_seen', 0) >= world_size - 1 - len(gone):
+            if not keys or store.check(keys):
                 return
         except Exception:
             return
         time.sleep(0.05)
 
 
-def read_cause(store, wait=0.0, deaths=True):
+def read_cause(store, wait=0.0, deaths=True, reader=None):
     """Poll the store for up to ``wait`` s: the published cause, or (with ``deaths``) one naming a peer
     of this machine that died without publishing one.
+
+    Args:
+        reader (int): this rank, marked in the store as having read the cause (see :func:`wait_until_read`)
 
     Returns:
         Cause or None: None when neither appears
@@ -162,7 +168,8 @@ def read_cause(store, wait=0.0, deaths=True):
         dead = _peers.dead_local_ranks() if deaths else []
         if store.check(['error']):
             cause = Cause.from_json(store.get('error').decode())
-            store.add('error_seen', 1)
+            if reader is not None:
+                store.set('error_seen/{}'.format(reader), '1')
             return cause
         if dead:  # checked after the key: a rank publishes before it exits
             return died(dead)
@@ -272,7 +279,7 @@ def diagnose(store, env, error, silence=None):
     if reachable == 'ok':  # a store call to a silent host could block past any timeout
         try:
             # After a timeout the peer was silent for that long: whatever it did since is no cause.
-            cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out)
+            cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out, reader=env.rank)
             if cause is not None:
                 return cause, cause.rank == env.rank and cause.kind == LOCAL
         except Exception:  # the store stopped answering: it lives in rank 0

@@ -103,7 +103,7 @@ class _LiveGroup:
                 _diagnosis.publish(client, cause)
         else:
             try:  # read now, while rank 0 still waits for its readers: its store may be gone when the main thread asks
-                self.cause = _diagnosis.read_cause(client, deaths=False)
+                self.cause = _diagnosis.read_cause(client, deaths=False, reader=self.env.rank)
             except Exception:
                 pass
         self.interrupt_collectives()
@@ -335,7 +335,11 @@ def _joining_failed(live, error):
     words are only a guess: the heartbeat gets two beats and a second more to name the rank.
     """
     env, store = live.env, live.store
-    if env.world_size == 1 or isinstance(error, (ValueError, errors.PeerFailedError)):
+    if env.world_size == 1 or isinstance(error, ValueError):
+        return None
+    if isinstance(error, errors.PeerFailedError):  # a peer's published cause, read in the rendezvous
+        if env.rank == 0:  # the store ends with this process: let the others read that cause first
+            _diagnosis.wait_until_read(store, env.world_size, skip=error.rank)
         return None
     if not _diagnosis.is_collective_error(error):
         if not isinstance(error, RuntimeError):  # KeyboardInterrupt, SystemExit: not the rendezvous' own words

@@ -97,17 +97,20 @@ def _bind_master(host, port):
 def _connect(host, port, timeout):
     """Connect to the master's store, bounded by ``timeout`` even against a silent listener.
 
-    A plain TCP connection is first retried in this thread until the master accepts one, so that
-    Ctrl-C or the deadline ends the wait at once, leaving no thread inside TCPStore's constructor:
-    such a thread, given up on, aborts the process when its torch call returns during the
-    interpreter's exit ("terminate called without an active exception", exit -6: measured 2 runs in
-    10 of a Ctrl-C while connecting to a master not yet up). Only then is the store client made, in a
-    helper thread, since against a program that accepts connections and never answers it never
-    returns (torch's own timeout does not bound that wait).
+    A plain TCP connection is retried in this thread first, so that Ctrl-C or the deadline leaves no
+    thread inside TCPStore's constructor (one given up on aborts the interpreter's exit, status -6).
+    The store client is then made in a helper thread: against a listener that never answers, torch's
+    own timeout does not bound it.
     """
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
     seconds = timeout.total_seconds()
     started = time.monotonic()
+
+    def unreachable(why):
+        return RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running '
+                            'there, that --host and --port match it, and that no firewall is in the way'.format(
+                                host, port, seconds, why))
+
     while True:
         try:
             left = started + seconds - time.monotonic()
@@ -115,10 +118,7 @@ def _connect(host, port, timeout):
                 break
         except OSError as error:
             if time.monotonic() - started >= seconds:
-                raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running '
-                                   'there, that --host and --port match it, and that no firewall is in the way'.format(
-                                       host, port, seconds, error.strerror or str(error) or type(error).__name__)) \
-                    from None
+                raise unreachable(error.strerror or str(error) or type(error).__name__) from None
             time.sleep(0.1)
     result, done = {}, threading.Event()
 
@@ -145,13 +145,7 @@ def _connect(host, port, timeout):
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
                            'store within {:g} s: another program holds that port; check --host and --port{}'.format(
                                host, port, seconds, _port_holder(port) if network.is_loopback(host) else ''))
-    if not done.is_set():
-        raise RuntimeError('cannot reach the master at {}:{} within {:g} s (nothing listens there); check that rank 0 '
-                           'is running there, that --host and --port match it, and that no firewall is in the '
-                           'way'.format(host, port, seconds))
-    raise RuntimeError('cannot reach the master at {}:{} within {:g} s ({}); check that rank 0 is running there, '
-                       'that --host and --port match it, and that no firewall is in the way'.format(
-                           host, port, seconds, str(result['error']).splitlines()[0])) from None
+    raise unreachable(str(result['error']).splitlines()[0] if done.is_set() else 'nothing listens there') from None
 
 
 def _something_listens(host, port, seconds=2.0):
@@ -219,7 +213,7 @@ def _wait(store, keys, timeout, what, rank=None):
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(keys):
         if store.check(['error']):
-            cause = _diagnosis.read_cause(store)
+            cause = _diagnosis.read_cause(store, reader=rank)
             raise PeerFailedError('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind,
                                   cause.exc_type or None)
         if time.monotonic() > deadline:
@@ -269,25 +263,14 @@ def handshake(store, env):
 
 
 def wait_until_connected(store, env):
-    """Count this rank connected, and wait until every rank is: the end of the group's creation.
+    """Wait until every rank is connected (torch's barrier, on the new group): the end of its creation.
 
-    gloo's connect returns on one rank while a peer may still be completing its side of their
-    pair: a rank that then left at once (a function with no collective) failed that peer with
-    "Connection closed by peer" (measured: 3 in 90 two-rank launches of a function with no
-    collective, six launching at once on two cores; 0 in 90 with this wait).
-
-    Args:
-        store (torch.distributed.Store): the job's store
-        env (DistEnv): this process's place in the job
-
-    Raises:
-        RuntimeError: a rank did not connect within the rendezvous timeout
-        PeerFailedError: another rank failed meanwhile
+    gloo's connect returns on one rank while a peer may still be completing its side of their pair:
+    a rank that then left at once failed that peer with "Connection closed by peer" (3 in 90 two-rank
+    launches of a function with no collective; 0 in 90 with this wait). A rank lost meanwhile is
+    named by the heartbeat, which wakes the barrier.
     """
-    if store.add('connected', 1) == env.world_size:
-        store.set('all_connected', '1')
-    _wait(store, ['all_connected'], env.meet_timeout,
-          'not every rank of {} connected at {}'.format(env.world_size, env.address), env.rank)
+    dist.barrier()
 
 
 def _poll(store, key, seconds):
