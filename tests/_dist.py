@@ -31,6 +31,10 @@ PG_TIMEOUT = 10
 CAUSE_WAIT = 6
 #: Seconds to start ranks that import torch, on a loaded 2-core machine.
 STARTUP = 30
+#: Seconds a machine loaded about 6x its cores may add to a fault's own bound (its timeout, its waits):
+#: threads woken late, processes that exit and are reaped slowly. Bounds are the fault's plus this, never
+#: a guess at the machine's speed.
+LOAD_SLACK = 5
 #: Hard bound on one multi-process test, seconds.
 DEADLINE = 60
 #: Whether soak tests (many repeats of one scenario) run: CI sets it in a step of its own.

@@ -6,15 +6,18 @@ that meet under a store prefix of their own.
 """
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from torchbearer_dist.runtime import rendezvous
 
-from _dist import TORCHRUN, child_env, free_port, run_command
-from _fault_rank import HERE, TIMEOUT
+from _dist import CAUSE_WAIT, LOAD_SLACK, ROOT, STARTUP, TORCHRUN, child_env, free_port, run_command
+from _fault_rank import HERE, RENDEZVOUS_TIMEOUT, TIMEOUT
 from _faults import (
     BEAT,
     _assert_gone,
@@ -25,6 +28,9 @@ from _faults import (
     _wait_all,
     _wait_for_line,
 )
+
+#: The hand-started rank that says where it is in the handshake.
+HANDSHAKE_RANK = os.path.join(os.path.dirname(HERE), '_handshake_rank.py')
 
 # --------------------------------------------------------------------------------------------------
 # 4. Bad rendezvous.
@@ -175,3 +181,41 @@ def test_torchrun_restart_does_not_trip_over_the_previous_attempt(runs):
         assert result.returncode == 0, result.stderr[-3000:]
         assert sorted(re.findall(r'attempt \d rank \d ok \d', result.stdout)) == [
             'attempt 1 rank 0 ok 4', 'attempt 1 rank 1 ok 4'], result.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. Ctrl-C on a rank inside the handshake.
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_handshake_ends_every_rank_naming_it(tmp_path):
+    """Rank 1 of 3 is interrupted after claiming its rank, before saying where it runs: ranks 0 and 2,
+    waiting for its world size, end on its published cause, not on the rendezvous timeout, and rank 2
+    names it too, though it polls only a second later (a loaded machine): rank 0, which holds the store,
+    waits until rank 2 has read the cause (it left at once, and rank 2 said 'rank 0 is gone': 3 of 3)."""
+    port = free_port()
+    release = tmp_path / 'release'
+    command = [sys.executable, HANDSHAKE_RANK, '--world-size', '3', '--port', str(port), '--timeout', str(TIMEOUT)]
+    ranks = [subprocess.Popen([*command, '--rank', str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True, cwd=ROOT,
+                              env=child_env(HANDSHAKE_RELEASE_2=str(release))) for r in range(3)]
+    try:
+        _wait_for_line(ranks[1], 'held in the handshake', timeout=STARTUP + 60)
+        for rank in (0, 2):
+            _wait_for_line(ranks[rank], 'waiting for rank 1', timeout=STARTUP + 60)
+        interrupted = time.monotonic()
+        os.killpg(ranks[1].pid, signal.SIGINT)  # Ctrl-C in rank 1's terminal
+        time.sleep(1.0)  # rank 0 has read the cause and, unless it waits for rank 2, is on its way out
+        release.touch()
+        _, results = _wait_all(ranks, RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK + 30)
+        elapsed = time.monotonic() - interrupted
+        print('Ctrl-C in the handshake: every rank gone {:.2f} s after it'.format(elapsed))
+        assert [rc for rc, _ in results] == [1, 130, 1], results
+        for rank in (0, 2):
+            assert _error_lines(results[rank][1]) == [
+                'error: rank 1 failed: KeyboardInterrupt (rank {} stopped)'.format(rank)], results[rank][1]
+        # the peers read the cause within a poll, rank 0 waits for rank 2's read (at most 3 s): the fault's
+        # own bound, well under the 5 s rendezvous timeout it would otherwise have waited out
+        assert elapsed < CAUSE_WAIT + LOAD_SLACK
+        _assert_gone(ranks, port)
+    finally:
+        _kill_all(ranks)
