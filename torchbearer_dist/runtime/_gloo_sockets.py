@@ -1,36 +1,23 @@
 """The fallback that wakes ranks blocked in a gloo collective: shut down gloo's own connections.
 
-No public torch call does this job for gloo. Measured with torch 2.14.1 on loopback
-(``python benchmarks/peer_wakeup.py``; 2 ranks, process-group timeout 8 s; rank 0 blocked in an
-all_reduce that rank 1 never joins; seconds from rank 1's call until rank 0 raised):
-
-======================================  ===========================  ===========================
-call on rank 1                          nothing else holds the group  rank 1 holds a Work object
-======================================  ===========================  ===========================
-``ProcessGroup.abort()``                7.0 (the timeout)            7.0 (the timeout)
-``ProcessGroup.shutdown()``             7.0 (the timeout)            7.0 (the timeout)
-``destroy_process_group()``             0.010                        7.0 (the timeout)
-``abort()`` + ``destroy_process_group``  --                          7.0 (the timeout)
-these sockets shut down (this module)   --                           see the fault table
-======================================  ===========================  ===========================
-
-From a helper thread of the *blocked* rank itself (``--local 1``), ``abort()`` and ``shutdown()``
-did not wake its own main thread either (7.0 s, the timeout). So :func:`destroy_process_group` is
-used first, and this module only where something still holds the group (a pending gradient
-all-reduce referenced from a traceback), and to wake this rank's own main thread when the watchdog
-finds a peer silent.
+No public torch call does this job for gloo (``python benchmarks/peer_wakeup.py``, torch 2.14.1: a
+rank blocked in an all_reduce its peer never joins waits the whole process-group timeout after the
+peer's ``ProcessGroup.abort()`` or ``shutdown()``, and after its ``destroy_process_group()`` where a
+Work object still holds the group; from a helper thread of the blocked rank itself, neither wakes its
+main thread). So :func:`destroy_process_group` is used first, and this module only where something
+still holds the group (a pending all-reduce referenced from a traceback), and to wake this rank's own
+main thread when the watchdog finds a peer silent.
 
 gloo's sockets are identified positively, not by when they were opened: gloo publishes each rank's
-listening address in the store (``<group>//cpu//0/<rank>``: the rank's host name and then its address, each
-after an 8-byte length, see :func:`published`); a socket of
-this process belongs to gloo exactly when its local address is this rank's published address (an
-accepted connection) or its remote address is another rank's (a connection this rank made). The
-store, and anything else the process has open (wandb, TensorBoard), never matches. The published
-address is checked against this process's own listening socket; on any mismatch, or off Linux,
-this module does nothing. These key names and layout are private to c10d and gloo, hence one module.
-When they are not found, :func:`endpoints` warns once (:data:`LOST`): the guarantee lost is that a
-rank blocked in a gloo collective wakes within seconds of a peer falling silent. The test
-``tests/runtime/test_private_gloo.py`` fails on the pinned torch if the layout moved.
+listening address in the store (``<group>//cpu//0/<rank>``, see :func:`published`); a socket of this
+process is gloo's exactly when its local address is this rank's (an accepted connection) or its
+remote address is another rank's (one this rank made). The store, and anything else the process has
+open (wandb, TensorBoard), never matches. The published address is checked against this process's
+own listening socket; on any mismatch, or off Linux, this module does nothing. These key names and
+layout are private to c10d and gloo, hence one module. When they are not found, :func:`endpoints`
+warns once (:data:`LOST`): the guarantee lost is that a rank blocked in a gloo collective wakes
+within seconds of a peer falling silent. ``tests/runtime/test_private_gloo.py`` fails on the pinned
+torch if the layout moved.
 """
 import os
 import socket
@@ -169,15 +156,8 @@ def _lost():
 
 
 def connections(addresses, rank):
-    """File descriptors of this process's gloo connections (never its listening socket).
-
-    Args:
-        addresses (list): what :func:`endpoints` returned
-        rank (int): this rank
-
-    Returns:
-        list: ``(file descriptor, socket inode)`` pairs
-    """
+    """``[(fd, socket inode)]`` of this process's gloo connections (never its listening socket), given
+    ``addresses``, what :func:`endpoints` returned, and this ``rank``."""
     if not addresses:
         return []
     peers = set(a for r, a in enumerate(addresses) if r != rank)
@@ -227,11 +207,7 @@ def shut_down_connections(pairs):
 
 
 def shut_down(addresses, rank):
-    """Shut down this process's gloo connections, so that every collective on them fails now.
-
-    Args:
-        addresses (list): what :func:`endpoints` returned
-        rank (int): this rank
+    """Shut down this process's gloo :func:`connections`, so that every collective on them fails now.
 
     Returns:
         int: how many connections were shut down

@@ -58,9 +58,7 @@ def error_for(rank, report, exitcode, tail=()):
     if isinstance(error, errors.PeerFailedError):
         pass  # its message names the rank at fault, and this one as "(rank R stopped)"
     elif error is None:
-        error = RuntimeError(line)
-        if error.args and not str(error).startswith('rank '):
-            error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
+        error = RuntimeError(line if line.startswith('rank ') else 'rank {} failed: {}'.format(rank, line))
     elif len(error.args) == 1 and isinstance(error.args[0], str):
         error.args = ('rank {} failed: {}'.format(rank, error.args[0]),)
     else:
@@ -74,30 +72,20 @@ _TAIL_LINES = 20
 
 
 class StderrTail:
-    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept.
-
-    A rank's file descriptor 2 is a pipe read here, so that a rank that dies before it can report
-    (a function a spawned rank cannot import, a crash in C++) still leaves its cause in the error,
-    and so that in Jupyter the ranks' output shows in the notebook rather than the kernel's terminal.
+    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept:
+    a rank that dies before it can report (a function it cannot import, a crash in C++) leaves its
+    cause in the error, and in Jupyter the ranks' output shows in the notebook.
     """
 
     def __init__(self):
         self.lines, self._threads = {}, []
 
     def start(self, rank, make_process, as_argument=False):
-        """Start ``make_process(write_end)`` (rank ``rank``) with its stderr on a pipe read by a thread here.
+        """Start ``make_process(write_end)``, rank ``rank``'s process, with its stderr on a pipe read here.
 
-        Args:
-            rank (int): the rank
-            make_process (callable): the rank's :class:`multiprocessing.Process`, not started, given the
-                pipe's write end or None
-            as_argument (bool): pass the write end to ``make_process`` as a Connection, for a rank forked
-                by a forkserver (it does not inherit this process's file descriptor 2); otherwise the pipe
-                is this process's file descriptor 2 while the rank starts, so that even an error before
-                the rank's code runs (unpickling its function) is caught
-
-        Returns:
-            multiprocessing.Process: the started process
+        ``as_argument``: the write end is passed as a Connection, for a forkserver's rank (it does not
+        inherit fd 2); otherwise it is this process's fd 2 while the rank starts, so that even an error
+        before the rank's code runs (unpickling its function) is caught.
         """
         read_end, write_end = os.pipe()
         if as_argument:
@@ -211,7 +199,6 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
                                    'meanwhile: it is frozen (stopped by a signal, or stuck in native code); '
                                    'stopped it'.format(stalled[0], last_rank_bound))
         if deadline is not None and time.monotonic() - started > deadline:
-            running = [r for r, p in enumerate(processes) if p.exitcode is None]
             raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
                 running, deadline))
         connection.wait([p.sentinel for p in processes] + pipes, timeout=0.1)

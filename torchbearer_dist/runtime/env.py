@@ -289,10 +289,3 @@ def current_env():
     from torchbearer_dist.runtime import group  # the live group's owner, which imports this module
     live = group._live
     return live.env if live is not None else None
-
-
-def current_store():
-    """The job's rendezvous store (namespaced to this job), or None outside a process group."""
-    from torchbearer_dist.runtime import group
-    live = group._live
-    return live.store if live is not None else None

@@ -67,11 +67,10 @@ def quiet_peer_failures(on=True):
         on (bool): True to install the hook (once), False to give back the hook it replaced
     """
     hook = sys.excepthook
-    if not on:
-        if getattr(hook, '_torchbearer_dist', None) is not None:
-            sys.excepthook = hook._torchbearer_dist
-        return
-    if getattr(hook, '_torchbearer_dist', None) is not None:
+    replaced = getattr(hook, '_torchbearer_dist', None)
+    if not on and replaced is not None:
+        sys.excepthook = replaced
+    if not on or replaced is not None:
         return
 
     def excepthook(kind, value, traceback):

@@ -1,19 +1,11 @@
 """Ctrl-C and pre-emption signals for programs that own their process: the launcher's ranks and the examples.
 
-Opt-in: nothing here runs unless :func:`watch_interrupts` or :func:`watch_preemption` is called.
-Library use (:func:`~torchbearer_dist.init_process_group` in a user's script or notebook, a
-:class:`~torchbearer_dist.Checkpoint` in a Trial) leaves every signal handler and the wakeup fd
-alone, so asyncio, Jupyter, submitit and Lightning keep theirs. A handler installed here calls the
-one it replaced (as Lightning's ``_HandlersCompose``), and the ``unwatch_`` functions put it back.
-
-Python runs signal handlers only between bytecodes, so a rank blocked in a gloo collective ignores
-SIGINT until the collective ends (up to the collective timeout). A helper thread sees the signal
-through :func:`signal.set_wakeup_fd`; if the main thread has not started handling it ``grace``
-seconds later, the thread publishes the interrupt as this rank's cause and makes the collective
-fail, so that the main thread raises KeyboardInterrupt and unwinds normally (``finally`` blocks
-run). Only if it is still stuck another ``grace`` later (in native code that is no collective) does
-the thread end the process with status 130 (``os._exit``: the last resort, since nothing else ends a
-native call; exit handlers do not run then).
+Opt-in: nothing here runs unless :func:`watch_interrupts` or :func:`watch_preemption` is called, so
+library use leaves every signal handler and the wakeup fd alone (asyncio, Jupyter, submitit and
+Lightning keep theirs). A handler installed here calls the one it replaced, and the ``unwatch_``
+functions put it back. How a rank blocked in a gloo collective still takes Ctrl-C (a helper thread
+on the wakeup fd fails the collective after ``grace`` seconds, and ends the process with status 130
+after another ``grace`` if it is stuck in other native code): docs/troubleshooting.rst, "Ctrl-C".
 """
 import os
 import signal
@@ -206,10 +198,9 @@ def requeue_slurm_job():
     import subprocess
     try:
         done = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=30)
+        why = done.stderr.strip() if done.returncode != 0 else None
     except (OSError, subprocess.TimeoutExpired) as error:
-        sys.stderr.write('torchbearer_dist: scontrol requeue {} failed: {}\n'.format(job, error))
-        return False
-    if done.returncode != 0:
-        sys.stderr.write('torchbearer_dist: scontrol requeue {} failed: {}\n'.format(job, done.stderr.strip()))
-        return False
-    return True
+        why = error
+    if why is not None:
+        sys.stderr.write('torchbearer_dist: scontrol requeue {} failed: {}\n'.format(job, why))
+    return why is None

@@ -27,14 +27,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_port(host='127.0.0.1'):
-    """A TCP port that is free on ``host`` right now.
-
-    Args:
-        host (str): the address to probe
-
-    Returns:
-        int: the port
-    """
+    """int: a TCP port that is free on ``host`` right now."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -53,9 +46,8 @@ def die_with_parent(parent_pid):
 def _die_with_launcher(launcher_pid):
     """SIGKILL this process when process ``launcher_pid`` exits; exit now if it already has (Linux >= 5.3).
 
-    For a rank forked by multiprocessing's forkserver, whose parent is that server, not the launcher:
-    the server outlives the launcher while any of its children lives, so ``PR_SET_PDEATHSIG`` would
-    never fire. A daemon thread waits on a pidfd of the launcher instead.
+    For a rank of the forkserver, which outlives the launcher while any of its children lives (so
+    ``PR_SET_PDEATHSIG`` would never fire): a daemon thread waits on a pidfd of the launcher.
     """
     try:
         pidfd = os.pidfd_open(launcher_pid)
@@ -92,10 +84,7 @@ def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeou
             result = fn(*args, **(kwargs or {}))
         _send(conn, ('ok', result))
     except BaseException as error:
-        try:
-            payload = error if _picklable(error) else None
-        except Exception:
-            payload = None
+        payload = error if _picklable(error) else None
         _send(conn, ('error', _diagnosis.describe(error), traceback.format_exc(), payload))
         conn.close()
         sys.stderr.flush()
@@ -218,12 +207,11 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
 
 
 def _rank_process(context, rank, child_args, stderr):
-    """Rank ``rank``'s process, not started: :func:`_child` with ``child_args`` and its ``stderr`` pipe."""
     return context.Process(target=_child, name='torchbearer_dist-rank{}'.format(rank), args=child_args + (stderr,))
 
 
 def _last_rank_bound(timeout, rendezvous_timeout):
-    """Seconds the last rank may sit idle once the others have ended: the ranks' rendezvous timeout."""
+    """Seconds the last rank may sit idle once the others have ended: the ranks' rendezvous timeout, and
+    two beats and a second for their own heartbeat to name a frozen peer first."""
     env = resolve(rank=0, world_size=1, timeout=timeout, environ={})
-    # and time for the ranks' own heartbeat to name a frozen peer first: two beats and a second
     return with_rendezvous_timeout(env, rendezvous_timeout, os.environ).meet_timeout.total_seconds() + 3.0

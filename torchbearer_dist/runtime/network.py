@@ -12,14 +12,7 @@ import struct
 
 
 def is_loopback(host):
-    """Whether ``host`` resolves to this machine's loopback interface.
-
-    Args:
-        host (str): an address or name
-
-    Returns:
-        bool: True for ``127.x.x.x``, ``::1`` and names that resolve to them
-    """
+    """Whether ``host`` (an address or name) resolves only to loopback: ``127.x.x.x`` or ``::1``."""
     try:
         infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):  # UnicodeError: a name idna cannot encode (a label over 63 chars)
@@ -28,11 +21,8 @@ def is_loopback(host):
 
 
 def route_interface(host, port=29500):
-    """Name the network interface this machine uses to reach ``host``.
-
-    gloo needs that name in ``GLOO_SOCKET_IFNAME``; otherwise it resolves the machine's hostname,
-    often to loopback, and a multi-host job hangs or fails (pytorch issue 42879). A UDP ``connect``
-    asks the kernel for the route; no packet is sent.
+    """Name the network interface this machine uses to reach ``host``: a UDP ``connect`` asks the
+    kernel for the route; no packet is sent.
 
     Args:
         host (str): address of rank 0
@@ -54,11 +44,8 @@ def route_interface(host, port=29500):
 
 
 def interface_addresses():
-    """``[(interface name, IPv4 address)]`` of this machine's interfaces that have one, loopback included.
-
-    Returns:
-        list: in the order of :func:`socket.if_nameindex`
-    """
+    """``[(interface name, IPv4 address)]`` of this machine's interfaces that have one, loopback included,
+    in the order of :func:`socket.if_nameindex`."""
     siocgifaddr = 0x8915
     found = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
