@@ -34,7 +34,7 @@ STARTUP = 30
 #: Seconds a machine loaded about 6x its cores may add to a fault's own bound (its timeout, its waits):
 #: threads woken late, processes that exit and are reaped slowly. Bounds are the fault's plus this, never
 #: a guess at the machine's speed.
-LOAD_SLACK = 5
+LOAD_SLACK = 8
 #: Hard bound on one multi-process test, seconds.
 DEADLINE = 60
 #: Whether soak tests (many repeats of one scenario) run: CI sets it in a step of its own.

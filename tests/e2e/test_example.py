@@ -14,7 +14,7 @@ import torch
 import torchbearer_dist
 from torchbearer_dist.runtime.launcher import free_port
 
-from _dist import ROOT, TORCHRUN, python, run_command
+from _dist import LOAD_SLACK, ROOT, STARTUP, TORCHRUN, python, run_command
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 #: Seconds one run of the example may take on a busy 2-core machine.
@@ -167,7 +167,7 @@ def test_unreachable_host_is_reported_within_the_timeout(tmp_path):
     assert re.fullmatch(r'error: cannot reach the master at 127\.0\.0\.1:{} within 2 s \(.*\); check that rank 0 is '
                         r'running there, that --host and --port match it, and that no firewall is in the '
                         r'way'.format(port), lines[0]), lines[0]
-    assert result.elapsed < 30  # 2 s of retries, bounded by the package at 1.5 x timeout + 5 s, plus start-up
+    assert result.elapsed < 1.5 * 2 + 5 + STARTUP  # the package's bound on the connect (1.5 x timeout + 5 s), start-up
 
 
 def test_port_already_taken(tmp_path):
@@ -208,7 +208,7 @@ def test_download_probe_gives_up_fast():
     module = _load_data_module()
     started = time.monotonic()
     assert module.network_allows('127.0.0.1', free_port(), timeout=1) is False  # refused on loopback
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 1 + LOAD_SLACK  # refused at once, or the probe's 1 s
     assert module.fetch_mnist(os.path.join(ROOT, 'no-such-dir'), download='never') is False
 
 
@@ -218,7 +218,7 @@ def test_download_gives_up_fast_when_the_mirror_does_not_answer(tmp_path, monkey
     module = _load_data_module()
     started = time.monotonic()
     assert module.fetch_mnist(str(tmp_path / 'data'), download='auto') is False
-    assert time.monotonic() - started < module.PROBE_SECONDS + 1
+    assert time.monotonic() - started < module.PROBE_SECONDS + LOAD_SLACK
 
 
 def _write_idx(path, array):

@@ -8,16 +8,17 @@ import subprocess
 import sys
 import time
 
-from _dist import CAUSE_WAIT, ROOT, child_env, kill_session, session
+from _dist import CAUSE_WAIT, LOAD_SLACK, ROOT, child_env, kill_session, session
 from _fault_rank import HERE, RENDEZVOUS_TIMEOUT, TIMEOUT
 
 #: Seconds between heartbeats (runtime/_watchdog.py).
 BEAT = 1
-#: A dead peer ends the job: at worst its heartbeat is missed, then the cause is read.
-DEAD_PEER_BOUND = RENDEZVOUS_TIMEOUT + BEAT + CAUSE_WAIT
-#: Ctrl-C on a rank inside a collective: the watcher's grace (interrupts.py), then the cause is read.
+#: A dead peer ends the job: at worst its heartbeat is missed, then the cause is read; on a loaded machine.
+DEAD_PEER_BOUND = RENDEZVOUS_TIMEOUT + BEAT + CAUSE_WAIT + LOAD_SLACK
+#: Ctrl-C on a rank inside a collective: the watcher's grace (interrupts.py), then the cause is read; on a
+#: loaded machine.
 INTERRUPT_GRACE = 2
-STOP_BOUND = INTERRUPT_GRACE + CAUSE_WAIT + BEAT
+STOP_BOUND = INTERRUPT_GRACE + CAUSE_WAIT + BEAT + LOAD_SLACK
 #: launch()'s grace between SIGTERM and SIGKILL, plus a second for the kernel to reap.
 LAUNCH_STOP_BOUND = 3 + 1
 
