@@ -12,16 +12,9 @@ from torchbearer_dist.runtime import _mpi, _slurm, network
 from torchbearer_dist.runtime._variables import env_int as _env_int
 from torchbearer_dist.runtime.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
 
-#: Default bound on each collective, torch's own default for gloo: rank-0-only work between
-#: collectives (a checkpoint to a slow filesystem, a slow first batch) may take that long. A dead or
-#: silent peer does not wait for it: the heartbeat ends the job within the rendezvous timeout.
-#: Override per call with ``timeout=`` or for a whole job with ``TORCHBEARER_DIST_TIMEOUT`` (seconds).
+#: The default bounds on each collective and on meeting the ranks or a peer's silence (the second's
+#: default capped at the first): docs/api/process_group.rst says what each bounds and how to override it.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-#: Default bound on meeting the other ranks (connecting to the store, the handshake) and on a
-#: peer's silence (no heartbeat). Override with ``rendezvous_timeout=`` or
-#: ``TORCHBEARER_DIST_RENDEZVOUS_TIMEOUT`` (seconds). This default is capped at the collective
-#: timeout; a value given explicitly is used as given.
 DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
 DEFAULT_PORT = 29500
