@@ -38,7 +38,8 @@ import netns  # noqa: E402
 import run  # noqa: E402
 
 BASELINES = ['single-1-thread', 'ddp', 'ours', 'ours-powersgd']
-TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ddp', 'wire_kb_per_step', 'step_ms']
+TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ddp', 'wire_kb_per_step', 'step_ms',
+         'cpu_ms_rank0']
 ACCURACY = ['contender', 'final_acc', 'final_min', 'final_max', 'minus_sync_points', 'seconds', 'seeds']
 
 
@@ -49,6 +50,8 @@ def diloco_name(local_steps, compression):
 def register(local_steps_list, compressions, outer):
     """Add a contender per H and wire dtype to benchmarks/contenders.py's table; return their names."""
     from torchbearer_dist import BroadcastParameters, DiLoCo
+    contenders.CONTENDERS['no-sync'] = dict(ranks=0, callbacks=lambda: [BroadcastParameters()],
+                                            note='two ranks that never communicate: the ceiling of two machines')
     names = []
     for h in local_steps_list:
         for compression in compressions:
@@ -71,6 +74,8 @@ def parse_args(argv=None):
     parser.add_argument('--outer-lr', type=float, default=0.7, help="DiLoCo's outer learning rate")
     parser.add_argument('--outer-momentum', type=float, default=0.9, help="DiLoCo's outer (Nesterov) momentum")
     parser.add_argument('--accuracy-compression', type=str, default='none', help='wire dtype of the accuracy runs')
+    parser.add_argument('--baselines', type=str, default=','.join(BASELINES), help='the other contenders, '
+                        'comma-separated (benchmarks/contenders.py, and no-sync: two ranks that never communicate)')
     parser.add_argument('--model', type=str, default='cnn1m', help='model of the throughput runs')
     parser.add_argument('--steps', type=int, default=None, help='steps of each timed run (default 2 x the largest H)')
     parser.add_argument('--repeats', type=int, default=None, help='timed runs per contender (default 3, quick 1)')
@@ -80,6 +85,7 @@ def parse_args(argv=None):
     parser.add_argument('--skip-accuracy', action='store_true', help='only the throughput runs')
     parser.add_argument('--out', type=str, default=None, help='output folder')
     parser.add_argument('--timeout', type=float, default=300.0, help='seconds for rendezvous and collectives')
+    parser.add_argument('--replot', action='store_true', help="only redraw --out's accuracy table and plot")
     parser.add_argument('--worker', type=str, default=None, help=argparse.SUPPRESS)  # internal: config file
     args = parser.parse_args(argv)
     if args.worker:
@@ -206,6 +212,23 @@ def fmt(value, column):
     return multihost.fmt(value, column)
 
 
+def write_csv(path, rows, columns):
+    import csv
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction='ignore')
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: fmt(row.get(c), c) for c in columns})
+
+
+def write_accuracy(out, runs, link, command):
+    """accuracy.csv and time_to_accuracy.png in ``out`` from the runs' points; returns the rows."""
+    rows, curves = summarize_accuracy(runs)
+    write_csv(os.path.join(out, 'accuracy.csv'), rows, ACCURACY)
+    plot_time_to_accuracy(os.path.join(out, 'time_to_accuracy.png'), curves, link, command)
+    return rows
+
+
 def plot_time_to_accuracy(path, curves, link, command):
     import matplotlib
     matplotlib.use('Agg')
@@ -233,6 +256,13 @@ def main(argv=None):
     if args.worker:
         worker_main(args.worker)
         return 0
+    if args.replot:
+        with open(os.path.join(args.out, 'accuracy_runs.json')) as f:
+            saved = json.load(f)
+        if isinstance(saved, list):  # the first run's file held the runs alone
+            saved = dict(link=args.links[0], command='python benchmarks/diloco.py', runs=saved)
+        write_accuracy(args.out, saved['runs'], saved['link'], saved['command'])
+        return 0
     reason = netns.unavailable()
     if reason:
         print('DiLoCo benchmark skipped: {}'.format(reason))
@@ -243,7 +273,7 @@ def main(argv=None):
     log = [command, 'before: ' + _uptime()]
     print('DiLoCo benchmark: 2 namespace hosts, links {}, H {}, {} steps a run, {}; {}'.format(
         args.links, args.local_steps, args.steps, args.outer, log[-1]), flush=True)
-    config = dict(models=[args.model], contenders=BASELINES + names, steps={args.model: args.steps},
+    config = dict(models=[args.model], contenders=args.baselines.split(',') + names, steps={args.model: args.steps},
                   repeats=args.repeats, all_reduce_calls=3, phase_steps=3, local_steps=args.local_steps,
                   compressions=args.compressions, outer=args.outer)
     rows, started = [], time.monotonic()
@@ -263,22 +293,20 @@ def main(argv=None):
                 print('\nlink {} ({:.0f} s so far; {}):'.format(link, time.monotonic() - started, log[-1]))
                 print(run.format_table([{c: fmt(r.get(c), c) for c in TABLE} for r in link_rows], TABLE), flush=True)
             if rows:
-                multihost.write_csv(os.path.join(args.out, 'throughput.csv'), rows, TABLE + ['samples_per_s_min',
-                                                                                             'samples_per_s_max'])
+                write_csv(os.path.join(args.out, 'throughput.csv'), rows, TABLE + ['samples_per_s_min',
+                                                                                   'samples_per_s_max'])
             if not args.skip_accuracy:
                 methods = ['sync'] + [diloco_name(h, args.accuracy_compression) for h in args.local_steps]
                 accuracy_config = dict(accuracy=True, methods=methods, epochs=args.epochs,
                                        seeds=list(range(args.seeds)), local_steps=args.local_steps,
                                        compressions=[args.accuracy_compression], outer=args.outer)
                 raw = multihost.run_link(hosts, args.links[0], accuracy_config, args, scratch, script)
-                accuracy_rows, curves = summarize_accuracy(raw[0]['runs'])
+                with open(os.path.join(args.out, 'accuracy_runs.json'), 'w') as f:
+                    json.dump(dict(link=args.links[0], command=command, runs=raw[0]['runs']), f)
+                accuracy_rows = write_accuracy(args.out, raw[0]['runs'], args.links[0], command)
                 log.append('after accuracy: {}'.format(_uptime()))
                 print('\naccuracy on link {} ({}):'.format(args.links[0], log[-1]))
                 print(run.format_table([{c: fmt(r.get(c), c) for c in ACCURACY} for r in accuracy_rows], ACCURACY))
-                multihost.write_csv(os.path.join(args.out, 'accuracy.csv'), accuracy_rows, ACCURACY)
-                with open(os.path.join(args.out, 'accuracy_runs.json'), 'w') as f:
-                    json.dump(raw[0]['runs'], f)
-                plot_time_to_accuracy(os.path.join(args.out, 'time_to_accuracy.png'), curves, args.links[0], command)
     finally:
         hosts.__exit__(None, None, None)
     with open(os.path.join(args.out, 'command.txt'), 'w') as f:
