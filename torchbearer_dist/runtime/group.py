@@ -342,7 +342,10 @@ def _joining_failed(live, error):
             _diagnosis.wait_until_read(store, env.world_size, skip=error.rank)
         return None
     if not _diagnosis.is_collective_error(error):
-        if not isinstance(error, RuntimeError):  # KeyboardInterrupt, SystemExit: not the rendezvous' own words
+        # KeyboardInterrupt, SystemExit; a RuntimeError is the rendezvous' own words, which each rank says for
+        # itself (a duplicate rank must not end the job it tried to join), except on rank 0, whose store ends
+        # with it: the others then read why (a rank that did not join) instead of finding the store gone
+        if not isinstance(error, RuntimeError) or env.rank == 0:
             _diagnosis.publish(store, _diagnosis.own_cause(env.rank, error))
             if env.rank == 0:
                 _diagnosis.wait_until_read(store, env.world_size)
