@@ -113,10 +113,20 @@ def _equivalence():
     return _snapshot(model)
 
 
+class _History(Callback):
+    """Keeps the history a run ends with."""
+
+    def on_end(self, state):
+        self.history = [dict(entry) for entry in state[torchbearer.HISTORY]]
+
+
 def _nesterov_bn():
+    history = _History()
     model, callbacks = _trial('bn', dict(local_steps=3), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR,
-                                                                                             momentum=0.9))
-    return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps}
+                                                                                             momentum=0.9),
+                              extra=[history])
+    return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps,
+            'comm_bytes': [entry.get('comm_bytes') for entry in history.history]}
 
 
 def _stop():
@@ -226,6 +236,16 @@ def test_replicas_are_bit_identical_after_nesterov_outer_steps_with_batchnorm(tr
     _assert_equal(rank0['state'], rank1['state'])  # running statistics averaged too
     assert rank0['outer_steps'] == EPOCHS * 4  # steps 3, 6, 9 and the epoch end (10), each epoch
     assert rank0['state']['1.num_batches_tracked'].item() == EPOCHS * STEPS
+
+
+def test_the_communication_report_counts_the_outer_steps_traffic(trained):
+    rank0, rank1 = scenario_values(trained, 'nesterov_bn')
+    model = _model('bn', SEED)
+    floating = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    per_outer_step = (4 * sum(p.numel() for p in model.parameters())  # pseudo-gradients, float32 on the wire
+                      + 8 * (floating + 1)  # BatchNorm's statistics and the stop flag, as float64
+                      + 8)  # num_batches_tracked, broadcast from rank 0
+    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step] * EPOCHS
 
 
 def test_a_stop_on_one_rank_stops_every_rank_at_the_next_outer_step(trained):

@@ -146,8 +146,14 @@ class CommunicationReport(Callback):
     def on_end_training(self, state):
         if self._began is None:
             return
-        train = time.perf_counter() - self._began
+        self._figures = [time.perf_counter() - self._began]
         self._began = None
+
+    def on_end_epoch(self, state):
+        if self._figures is None:  # no training pass measured (one process, evaluate, predict)
+            return
+        # The traffic is read here, after every callback's on_end_training: DiLoCo's last outer step of
+        # the pass runs there, wherever it sits in the list.
         before = {id(callback): (counter, totals) for callback, counter, totals in self._before}
         sent, waited, flight, counted = 0, 0.0, 0.0, False
         for callback, counter, totals in self._totals(state):
@@ -158,12 +164,8 @@ class CommunicationReport(Callback):
             sent += totals[0] - old[0]
             waited += totals[1] - old[1]
             flight += totals[2] - old[2]
-        self._figures = [train, waited, flight, float(sent), float(counted), float(self._steps)]
-
-    def on_end_epoch(self, state):
-        if self._figures is None:  # no training pass measured (one process, evaluate, predict)
-            return
-        figures, self._figures = self._figures, None
+        figures = self._figures + [waited, flight, float(sent), float(counted), float(self._steps)]
+        self._figures = None
         device = collectives.comm_device(torch.device('cpu'))
         table = torch.zeros(collectives.world_size(), _FIELDS, dtype=torch.float64, device=device)
         table[collectives.rank()] = torch.tensor(figures, dtype=torch.float64)

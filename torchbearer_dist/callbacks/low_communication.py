@@ -118,6 +118,7 @@ class DiLoCo(Callback):
                             compression=compression)
         self.check_divergence = check_divergence
         self.engine = None
+        self._retired = (0, 0.0, 0.0)  # traffic() of the engines replaced so far
         self.inner_steps = 0  # optimizer steps since the last outer step
         self._pending = None  # a loaded state, applied once the run has its models
         self._gathered = None  # every rank's local state, on rank 0, for the step checkpoint being written
@@ -154,6 +155,7 @@ class DiLoCo(Callback):
         params = [p for _, p in _held.trainable(state)]
         fresh, self._fresh = self._fresh, False
         if self.engine is None or not self.engine.same_params(params):
+            self._retired = self.traffic()
             self.engine = OuterStep(params, self._buffers(state), **self.options)  # the anchor: rank 0's weights
             self.inner_steps = 0
         else:
@@ -166,6 +168,17 @@ class DiLoCo(Callback):
         if self._hook is None:
             self._state = weakref.ref(state)
             self._hook = state[torchbearer.OPTIMIZER].register_step_post_hook(self._after_inner_step)
+
+    def traffic(self):
+        """The outer steps' communication so far, for :class:`CommunicationReport`.
+
+        Returns:
+            tuple: ``(bytes_sent, wait_seconds, comm_seconds)`` totals since construction (see
+            :meth:`OuterStep.traffic <torchbearer_dist.sync.diloco.OuterStep.traffic>`)
+        """
+        if self.engine is None:
+            return self._retired
+        return tuple(a + b for a, b in zip(self._retired, self.engine.traffic()))
 
     def _restart(self, state):
         """A new run of the same models: from the weights as they are, or from the anchor after a run that raised."""

@@ -11,6 +11,8 @@ step is the same arithmetic on the same numbers. The inner optimizer is not touc
 
 Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023).
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -89,6 +91,26 @@ class OuterStep:
         self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0) if self.anchor else None
         self.steps = 0
+        self.bytes_sent = 0  # payload handed to all-reduce and broadcast, for traffic()
+        self.comm_seconds = 0.0
+
+    def traffic(self):
+        """What the outer steps' communication cost so far, as :meth:`GradientBuckets.traffic
+        <torchbearer_dist.sync.buckets.GradientBuckets.traffic>` counts it.
+
+        Returns:
+            tuple: ``(bytes_sent, wait_seconds, comm_seconds)``: the payload bytes this rank handed to
+            all-reduce and broadcast (pseudo-gradients in the wire dtype, buffers, the stop flag), and
+            the seconds spent in them, twice: an outer step's collectives are synchronous, nothing
+            hides them
+        """
+        return self.bytes_sent, self.comm_seconds, self.comm_seconds
+
+    def _all_reduce(self, tensor):
+        began = time.perf_counter()
+        dist.all_reduce(tensor)
+        self.comm_seconds += time.perf_counter() - began
+        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def same_params(self, params):
         """Whether ``params`` are the tensors this engine was built over, in order."""
@@ -122,7 +144,7 @@ class OuterStep:
             if world > 1:
                 flat.div_(world)  # before the sum: a half-precision sum cannot overflow where the mean does not
                 wire = flat if self.wire is None else flat.to(self.wire)
-                dist.all_reduce(wire)
+                self._all_reduce(wire)
                 flat = wire.to(dtype)
             offset = 0
             for i in indices:
@@ -142,15 +164,18 @@ class OuterStep:
         device = floating[0].device if floating else (self.params[0].device if self.params else torch.device('cpu'))
         flat = torch.cat([b.reshape(-1).to(torch.float64) for b in floating] +
                          [torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)])
-        dist.all_reduce(flat)
+        self._all_reduce(flat)
         offset = 0
         for b in floating:
             n = b.numel()
             b.copy_((flat[offset:offset + n] / collectives.world_size()).view_as(b))
             offset += n
         others = [b for b in self.buffers if not b.is_floating_point()]
+        began = time.perf_counter()
         for b in others:
             dist.broadcast(b, 0)
+            self.bytes_sent += b.numel() * b.element_size()
+        self.comm_seconds += time.perf_counter() - began
         return bool(flat[-1].item() > 0)
 
     def state_dict(self):
