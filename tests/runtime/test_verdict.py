@@ -50,7 +50,8 @@ from torchbearer_dist.runtime.env import DistEnv
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 INF = float('inf')
-#: Schedules per property: about 25 s for both on one core; the soak step (TORCHBEARER_DIST_TEST_SOAK=1) tries 20x.
+#: Schedules per property: about 25 s for both on one core; the soak step (TORCHBEARER_DIST_TEST_SOAK=1) tries 20x,
+#: drawn anew each time, where the test pass draws the same schedules every run (derandomize).
 SOAK = os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1'
 EXAMPLES = 20000 if SOAK else 1000
 #: The rendezvous timeouts tried: the beat is a quarter of the short ones, a second for the others.
@@ -247,7 +248,8 @@ def healthy_jobs(draw):
 
 
 @pytest.mark.timeout(1800 if SOAK else 180)
-@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not SOAK,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(healthy_jobs())
 def test_no_healthy_schedule_is_ever_judged_failed(job):
     seed, world_size, limit, stop, slowed, spurious = job
@@ -284,7 +286,8 @@ def failed_jobs(draw):
 
 
 @pytest.mark.timeout(1800 if SOAK else 180)
-@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not SOAK,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(failed_jobs())
 def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):
     seed, world_size, limit, fault, culprit = job
@@ -325,7 +328,9 @@ def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):
         assert fault != 'raised', (job, r.rank, r.verdict)
         if verdict.kind == SILENT:  # silent for the limit at least, named a beat or two after it
             assert fault in ('stopped', 'gil', 'paused alone'), (job, r.rank, verdict)
-            assert last_beat + limit < t <= last_beat + limit + 2.5 * beat, (job, r.rank, verdict, last_beat)
+            # the round that reads the silence may itself be late by its store calls (three, there and back)
+            bound = last_beat + limit + 2.5 * beat + 6 * j.latency * beat
+            assert last_beat + limit < t <= bound, (job, r.rank, verdict, last_beat)
         elif verdict.kind == MASTER_SILENT:
             assert culprit == 0 and t <= at + limit + 1.5 * beat + j.client_timeout, (job, r.rank, verdict)
             assert t >= at + limit - 1.1 * beat, (job, r.rank, verdict)
