@@ -75,7 +75,7 @@ def _hold_before(module, name, phase, fault_rank):
     original = getattr(module, name)
 
     def held(*args, **kwargs):
-        env = next(a for a in args if hasattr(a, 'rank'))
+        env = next(getattr(a, 'env', a) for a in args if hasattr(getattr(a, 'env', a), 'rank'))  # an env, or _LiveGroup
         if env.rank == fault_rank:
             _mark(phase, env.rank)
             time.sleep(HOLD)
