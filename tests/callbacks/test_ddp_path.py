@@ -11,88 +11,38 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchbearer
+
+# the GAN of the package's own path: the same helpers and state keys, defined once
+from test_by_construction import (
+    DISC_MODEL,
+    DISC_OPT,
+    EPOCHS,
+    GEN_OPT,
+    SEED,
+    STEPS,
+    B,
+    _gan_closure,
+    _gan_data,
+    _gan_models,
+    _gan_optimizers,
+    _gan_reference,
+    _max_difference,
+    _snapshot,
+)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchbearer import Callback, Trial
 
 import torchbearer_dist
 
-from _dist import run_in_step, run_workers, scenario_values
-
-B = 4
-STEPS = 4
-EPOCHS = 2
-SEED = 7
-
-DISC_MODEL = torchbearer.state_key('ddp_disc_model')
-DISC_OPT = torchbearer.state_key('ddp_disc_opt')
-GEN_OPT = torchbearer.state_key('ddp_gen_opt')
-
-
-def _snapshot(*modules):
-    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
-
-
-def _max_difference(actual, expected):
-    return max((a[k] - e[k]).abs().max().item() for a, e in zip(actual, expected) for k in e)
-
-
-def _gan_data(n):
-    g = torch.Generator().manual_seed(11)
-    return torch.randn(n, 3, generator=g), torch.randn(n, 4, generator=g) * 0.5 + 1.0
-
-
-def _gan_models(seed):
-    torch.manual_seed(seed)
-    generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
-    discriminator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    return generator, discriminator
-
-
-def _gan_step(generator, discriminator, gen_opt, disc_opt, z, real):
-    """torchbearer's gan notebook in short: a generator pass and step, then a discriminator pass and step."""
-    bce = nn.functional.binary_cross_entropy_with_logits
-    gen_opt.zero_grad()
-    fake = generator(z)
-    g_loss = bce(discriminator(fake), torch.ones(len(z), 1))
-    g_loss.backward()
-    gen_opt.step()
-    disc_opt.zero_grad()
-    d_loss = (bce(discriminator(real), torch.ones(len(z), 1)) + bce(discriminator(fake.detach()),
-                                                                      torch.zeros(len(z), 1))) / 2
-    d_loss.backward()
-    disc_opt.step()
-    return fake, g_loss
-
-
-def _optimizers(generator, discriminator):
-    return (torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.9),
-            torch.optim.SGD(discriminator.parameters(), lr=0.1, momentum=0.9))
-
-
-def _gan_reference(world_size):
-    generator, discriminator = _gan_models(SEED)
-    gen_opt, disc_opt = _optimizers(generator, discriminator)
-    z, real = _gan_data(world_size * B * STEPS)
-    for _ in range(EPOCHS):
-        for zb, rb in DataLoader(TensorDataset(z, real), batch_size=world_size * B):
-            _gan_step(generator, discriminator, gen_opt, disc_opt, zb, rb)
-    return _snapshot(generator, discriminator)
-
-
-def _closure(hidden_disc_opt=None):
-    def closure(state):
-        fake, g_loss = _gan_step(state[torchbearer.MODEL], state[DISC_MODEL], state[GEN_OPT],
-                                 hidden_disc_opt or state[DISC_OPT], state[torchbearer.X], state[torchbearer.Y_TRUE])
-        state[torchbearer.Y_PRED], state[torchbearer.LOSS] = fake, g_loss
-    return closure
+from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests/ on sys.path)
 
 
 def _gan_trial(hide_disc_opt=False):
     # Seeded differently on every rank: the package broadcasts the discriminator, DDP the generator.
     generator, discriminator = _gan_models(SEED + dist.get_rank())
     generator = torchbearer_dist.wrap_ddp(generator)
-    gen_opt, disc_opt = _optimizers(generator, discriminator)
+    gen_opt, disc_opt = _gan_optimizers(generator, discriminator)
     dataset = TensorDataset(*_gan_data(dist.get_world_size() * B * STEPS))
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=False))
     trial = Trial(generator, None, metrics=['loss'], callbacks=torchbearer_dist.distributed_callbacks(ddp=True),
@@ -100,7 +50,7 @@ def _gan_trial(hide_disc_opt=False):
     trial.state.update({DISC_MODEL: discriminator, GEN_OPT: gen_opt})
     if not hide_disc_opt:
         trial.state[DISC_OPT] = disc_opt
-    trial.with_closure(_closure(disc_opt if hide_disc_opt else None)).with_train_generator(loader)
+    trial.with_closure(_gan_closure(disc_opt if hide_disc_opt else None)).with_train_generator(loader)
     return trial, generator, discriminator
 
 
@@ -177,7 +127,7 @@ def test_the_divergence_sentinel_runs_on_the_ddp_path(world):
     _, results = world
     values = scenario_values(results, 'unsynchronised')
     assert values == [
-        "replicas diverged after the first step (epoch 0, step 1): 'state[ddp_disc_model].0.weight' differs across "
+        "replicas diverged after the first step (epoch 0, step 1): 'state[disc_model].0.weight' differs across "
         "ranks (4 of 8 tensors differ); something updated it on one rank only, such as an optimizer or module that "
         "trial.state does not hold (store it there) or a callback that edits weights on one rank; "
         "AllReduceGradients(check_divergence=False) turns this check off"] * len(values)
