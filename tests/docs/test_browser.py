@@ -16,8 +16,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'troubleshooting',
-         'api/callbacks', 'api/process_group', 'api/data', 'api/checkpoints', 'api/engines')
+PAGES = ('index', 'tutorial', 'launching', 'own_script', 'scaling', 'performance', 'low_communication',
+         'troubleshooting', 'api/callbacks', 'api/process_group', 'api/data', 'api/checkpoints', 'api/engines')
 WIDTH, HEIGHT = 1366, 900
 #: Pixels a table may reach past the article: furo pads a table's box by 0.2 em for its shadow.
 TABLE_SLACK = 8

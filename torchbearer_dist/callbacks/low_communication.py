@@ -79,7 +79,8 @@ class DiLoCo(Callback):
 
         >>> from torchbearer import Trial
         >>> import torchbearer_dist as tbd
-        >>> trial = Trial(model, optimizer, loss, callbacks=[*tbd.distributed_callbacks(local_steps=50)])
+        >>> trial = Trial(model, optimizer, loss,
+        ...               callbacks=[*tbd.distributed_callbacks(local_steps=50)])
 
     Args:
         local_steps (int): H, the optimizer steps each rank takes between two outer steps
