@@ -220,6 +220,7 @@ def test_the_engine_counts_payload_bytes_and_times_its_waits(compression, elemen
 
 
 def test_the_plot_script_draws_a_saved_history(tmp_path):
+    pytest.importorskip('matplotlib', reason='the plot needs the benchmarks extra (matplotlib)')
     plot = runpy.run_path(os.path.join(ROOT, 'benchmarks', 'plot_comm_report.py'))
     history = [{'loss': 1.0, TRAIN_TIME: 2.0 + e, COMM_WAIT: 0.5, SLOWEST_LAG: 0.1, SLOWEST_RANK: 1,
                 COMM_BYTES: 4_800_000, COMM_RATE: 95.0} for e in range(3)]
