@@ -298,6 +298,15 @@ def run_command(command, timeout=DEADLINE, env=None, **popen_kwargs):
     return result
 
 
+def cmdline(pid):
+    """The command line of process ``pid``, or '' once it is gone."""
+    try:
+        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+            return f.read().replace(b'\0', b' ').decode(errors='replace')
+    except OSError:
+        return ''
+
+
 def kill_session(pid):
     """SIGKILL every process of the session led by ``pid``, by process-group id, never by name."""
     try:

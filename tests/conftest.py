@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from _dist import children  # noqa: E402 (tests/ on sys.path first)
+from _dist import children, cmdline  # noqa: E402 (tests/ on sys.path first)
 
 
 def pytest_configure(config):
@@ -98,7 +98,7 @@ def clean_process(monkeypatch):
     while _livechildren() and time.monotonic() < deadline:
         time.sleep(0.1)
     left = _livechildren()
-    assert not left, 'processes outlived the test: {}'.format({pid: _cmdline(pid) for pid in left})
+    assert not left, 'processes outlived the test: {}'.format({pid: cmdline(pid) for pid in left})
 
 
 def _livechildren():
@@ -106,17 +106,9 @@ def _livechildren():
     forkserver nor the resource tracker, which live as long as pytest."""
     found = []
     for pid in children():
-        command = _cmdline(pid)
+        command = cmdline(pid)
         if 'forkserver' in command:
             found.extend(children(pid))
         elif 'resource_tracker' not in command:
             found.append(pid)
     return found
-
-
-def _cmdline(pid):
-    try:
-        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
-            return f.read().replace(b'\0', b' ').decode(errors='replace')
-    except OSError:
-        return ''

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from _dist import free_port, session
+from _dist import cmdline, free_port, session
 from _faults import (
     LAUNCH_STOP_BOUND,
     STOP_BOUND,
@@ -58,14 +58,6 @@ def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
 LOADED_EXIT = 3
 
 
-def _cmdline(pid):
-    try:
-        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
-            return f.read().replace(b'\0', b' ').decode(errors='replace')
-    except OSError:
-        return ''
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('target', ['group', 'launcher'])
 def test_ctrl_c_on_the_launcher_stops_every_rank(target):
@@ -79,8 +71,8 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(target):
         _wait_for_ranks(launcher, 2)
         helpers = ('resource_tracker', 'forkserver')
         ranks = [pid for pid in session(launcher.pid) if pid != launcher.pid and
-                 not any(name in _cmdline(pid) for name in helpers)]
-        assert len(ranks) == 2, [(pid, _cmdline(pid)) for pid in session(launcher.pid)]
+                 not any(name in cmdline(pid) for name in helpers)]
+        assert len(ranks) == 2, [(pid, cmdline(pid)) for pid in session(launcher.pid)]
         started = time.monotonic()
         if target == 'group':
             os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
@@ -132,7 +124,6 @@ def test_killed_launcher_leaves_no_rank_behind(start_method):
         _assert_gone([launcher], port, within=0.5)
     finally:
         _kill_all([launcher])
-
 
 
 def _wakeup_fd():

@@ -201,11 +201,7 @@ class _LiveGroup:
         if not self.ended:  # once: a later group of this process is not this one's to destroy
             self.ended = True
             self.stop_watchdog()
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # a broken group is torn down as far as torch allows
-                    pass
+            _destroy_torch_group()
             self.gloo, self.cause, self.main_connections, self.peers = None, None, [], {}
             if self.excepthooks is not None and sys.excepthook is self.excepthooks[1]:  # torch never gives it back
                 sys.excepthook = self.excepthooks[0]
@@ -243,7 +239,12 @@ def _end():
     """End the live group, if any, and a torch group made outside this package; safe twice."""
     if _live is not None:
         _live.end()
-    elif dist.is_initialized():
+    else:
+        _destroy_torch_group()
+
+
+def _destroy_torch_group():
+    if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group is torn down as far as torch allows
