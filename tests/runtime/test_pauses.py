@@ -71,3 +71,29 @@ def test_a_whole_job_paused_past_the_rendezvous_timeout_trains_on():
         assert not any(_error_lines(err) for _, err in results), results
     finally:
         _kill_all(ranks)
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_and_paused_within_the_rendezvous_timeout_trains_to_the_end():
+    """A healthy job with one slow rank: rank 1 first stops for most of the rendezvous timeout, then runs a
+    quarter of the time (stopped 0.3 s in every 0.4 s) until the end, as under a load that starves it. Nobody
+    is named; both ranks train every epoch and exit 0."""
+    port = free_port()
+    ranks = _start_job(port, '--epochs', 8, '--step-delay', 0.02)
+    slowed = ranks[1]
+    deadline = time.monotonic() + 150
+    try:
+        stop = RENDEZVOUS_TIMEOUT * 0.7
+        while slowed.poll() is None and time.monotonic() < deadline:
+            os.kill(slowed.pid, signal.SIGSTOP)
+            time.sleep(stop)
+            os.kill(slowed.pid, signal.SIGCONT)
+            time.sleep(0.1)
+            stop = 0.3
+        _, results = _wait_all(ranks, max(1.0, deadline - time.monotonic()))
+        assert [rc for rc, _ in results] == [0, 0], [err for _, err in results]
+        assert not any(_error_lines(err) for _, err in results), results
+    finally:
+        if slowed.poll() is None:
+            os.kill(slowed.pid, signal.SIGCONT)
+        _kill_all(ranks)
