@@ -113,15 +113,16 @@ def _train_trial(kind, options):
     if accumulate > 1:
         optimizer = _Accumulate(optimizer, accumulate)
     callbacks = torchbearer_dist.distributed_callbacks(**options)
-    if clip:  # before ours: it must clip the averaged gradient
-        callbacks.insert(0, GradientNormClipping(CLIP, params=list(model.parameters())))
+    if clip:  # before ours, or after them (clip='last'): either way it must clip the averaged gradient
+        clipping = GradientNormClipping(CLIP, params=list(model.parameters()))
+        callbacks.insert(len(callbacks) if clip == 'last' else 0, clipping)
     trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], callbacks=callbacks,
                               verbose=0)
     if closure:
         trial.with_closure(_plain_closure)
     trial.with_train_generator(loader)
     trial.run(EPOCHS)
-    buckets = callbacks[-1].buckets
+    buckets = next(c for c in callbacks if isinstance(c, torchbearer_dist.AllReduceGradients)).buckets
     return {'state': _snapshot(model), 'buckets': len(buckets.buckets)}
 
 
@@ -160,6 +161,8 @@ CONFIGS = {
     'sync_every': ('trial', 'mlp', {'sync_every': 2}),
     'clip_first': ('trial', 'mlp', {'clip': True}),
     'clip_first_overlap': ('trial', 'mlp', {'clip': True, 'overlap': True}),
+    'clip_last': ('trial', 'mlp', {'clip': 'last'}),
+    'clip_last_overlap': ('trial', 'mlp', {'clip': 'last', 'overlap': True}),
     'closure': ('trial', 'mlp', {'closure': True}),
     'closure_overlap': ('trial', 'mlp', {'closure': True, 'overlap': True}),
     'ddp': ('ddp', 'mlp', None),
@@ -264,8 +267,8 @@ def test_sync_every_accumulates_locally_then_averages(trained):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config', ['clip_first', 'clip_first_overlap'])
-def test_clipping_placed_before_ours_clips_the_averaged_gradient(trained, config):
+@pytest.mark.parametrize('config', ['clip_first', 'clip_first_overlap', 'clip_last', 'clip_last_overlap'])
+def test_clipping_placed_before_or_after_ours_clips_the_averaged_gradient(trained, config):
     rank0, rank1 = scenario_values(trained, config)
     _assert_equal(rank0['state'], rank1['state'])
     reference = _reference('mlp', clip=True)
