@@ -78,3 +78,14 @@ def test_fingerprint_is_the_same_for_equal_values_and_changes_with_one_bit(tenso
         changed[-1] += 1
     assert not torch.equal(fingerprint(tensor), fingerprint(changed.reshape(tensor.shape)))
     assert fingerprint(tensor).dtype == torch.int64 and bool((fingerprint(tensor) >= 0).all())
+
+
+@pytest.mark.parametrize('size, first, second', [(8, 0, 7), (64, 2, 40), (3 * 2 ** 20 + 5, 7, 2 ** 21 + 7)])
+def test_fingerprint_changes_when_values_swap_places(size, first, second):
+    """Equal sums, other order: word-sums alone missed a swap within one half of the tensor."""
+    values = torch.arange(size, dtype=torch.int64)
+    swapped = values.clone()
+    swapped[[first, second]] = swapped[[second, first]]
+    assert values.sum() == swapped.sum()
+    assert not torch.equal(fingerprint(values), fingerprint(swapped))
+    assert not torch.equal(fingerprint(torch.arange(10.0)), fingerprint(torch.arange(10.0).flip(0)))

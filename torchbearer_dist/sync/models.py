@@ -230,12 +230,15 @@ def _words(tensor):
 
 
 def fingerprint(tensor):
-    """Two integers that change with any bit of ``tensor``'s values.
+    """Two integers that change with any bit of ``tensor``'s values, and with their order.
 
-    The values' bytes are read as int64 words and summed, all of them and the first half of them, in
-    int64, whose wrap-around makes the sums exact and independent of the order of summation: equal
-    tensors give equal fingerprints on every rank, whatever its threads. No copy and two vectorised
-    sums: about 0.1 ms per million float32 values on one CPU thread.
+    The values' bytes are read as int64 words; the first integer is their plain sum, the second a sum
+    weighted by position (word ``i`` times the odd number ``(2i + 1) * M``, in chunks of a million words
+    whose partial sums are weighted by their chunk's place in turn), so that swapped, shifted or
+    reordered values change it as a single flipped bit does. int64's wrap-around makes both sums exact
+    and independent of the order of summation: equal tensors give equal fingerprints on every rank,
+    whatever its threads. No copy of the tensor; 1-3 ms per million float32 values on one CPU thread of a
+    loaded 2-core machine, about 3x a plain sum.
 
     Args:
         tensor (torch.Tensor): any dense tensor
@@ -245,11 +248,37 @@ def fingerprint(tensor):
     """
     with torch.no_grad():
         words, rest = _words(tensor)
-        total, half = words.sum(), words[:words.numel() // 2].sum()
-        if rest.numel():
-            tail = (rest * torch.arange(1, rest.numel() + 1, dtype=torch.int64, device=rest.device)).sum()
-            total, half = total + tail, half + 3 * tail
-        return torch.stack([total, half]).remainder(_MODULUS)
+        words = torch.cat([words, rest * _ODD]) if rest.numel() else words  # a stray byte counts as a word
+        total = words.sum()
+        weights = _chunk_weights(words.device)
+        ordered = torch.zeros((), dtype=torch.int64, device=words.device)
+        for place, start in enumerate(range(0, words.numel(), _CHUNK)):
+            chunk = words[start:start + _CHUNK]
+            weight = _weights(1, words.device, place, _ODD_CHUNK)[0]  # the chunk's place
+            ordered = ordered + (chunk * weights[:chunk.numel()]).sum() * weight
+        return torch.stack([total, ordered]).remainder(_MODULUS)
+
+
+#: Odd multipliers of the position weights (any odd 63-bit constants; these are from splitmix64).
+_ODD, _ODD_CHUNK = 0x1E3779B97F4A7C15, 0x3F58476D1CE4E5B9
+#: Words weighted at a time: the weights' memory is bounded (8 MB), whatever the tensor's size.
+_CHUNK = 1 << 20
+
+
+def _chunk_weights(device):
+    """The weights of one chunk's positions, made once per device (8 MB)."""
+    key = str(device)
+    if key not in _CHUNK_WEIGHTS:
+        _CHUNK_WEIGHTS[key] = _weights(_CHUNK, device)
+    return _CHUNK_WEIGHTS[key]
+
+
+_CHUNK_WEIGHTS = {}
+
+
+def _weights(count, device, first=0, odd=_ODD):
+    """``(2i + 1) * odd`` for ``first <= i < first + count``, in wrapping int64: distinct odd weights."""
+    return (torch.arange(first, first + count, dtype=torch.int64, device=device) * 2 + 1) * odd
 
 
 def differing_tensors(named_tensors, device=None):
