@@ -185,7 +185,7 @@ RANK_SCRIPT = textwrap.dedent('''
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
         inside = os.environ.get('GLOO_SOCKET_IFNAME')
-        gloo = torchbearer_dist.runtime.group._live.gloo
+        gloo = torchbearer_dist.runtime.env._live.gloo
     print(json.dumps({'rank': env.rank, 'total': total.item(), 'ifname': inside, 'gloo_on': sorted(set(
         ip for ip, _ in gloo)), 'timeout': env.timeout.total_seconds(), 'leaked': sorted(
         set(os.environ.items()) ^ set(before.items()))}))

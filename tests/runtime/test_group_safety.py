@@ -198,12 +198,12 @@ def _worker_gloo_connections():
     import torch
     import torch.distributed as dist
 
-    from torchbearer_dist.runtime import _gloo_sockets, group
+    from torchbearer_dist.runtime import _gloo_sockets, env
     dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
-    found = [fd for fd, _ in _gloo_sockets.connections(group._live.gloo, dist.get_rank())]
+    found = [fd for fd, _ in _gloo_sockets.connections(env._live.gloo, dist.get_rank())]
     foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
     for sock in (accepted, client, listener):
         sock.close()

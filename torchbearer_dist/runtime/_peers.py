@@ -5,10 +5,13 @@ process's start time. A peer counts as "of this machine" only when the boot id a
 namespace match ours, so that its pid means the same process here; it counts as dead when that pid
 is gone, is a zombie, or now belongs to a process that started at another time (the pid was
 reused). Each check reads one ``/proc/<pid>/stat`` per local peer: bounded by the world size. What
-was read of the peers belongs to the live group (``group._LiveGroup.peers``), not to this module.
+was read of the peers belongs to the live group (``group._LiveGroup.peers``, found through
+``env._live``), not to this module.
 """
 import os
 import socket
+
+from torchbearer_dist.runtime import env
 
 
 def _read(path):
@@ -80,9 +83,7 @@ def dead_local_ranks(peers=None):
         list: rank numbers, ascending
     """
     if peers is None:
-        from torchbearer_dist.runtime import group  # the live group's owner, which imports this module
-        live = group._live
-        peers = live.peers if live is not None else {}
+        peers = env._live.peers if env._live is not None else {}
     dead = []
     for other, (pid, start) in sorted(peers.items()):
         now = _start_time(pid)

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from torchbearer_dist.runtime import _mpi, _slurm, network
 from torchbearer_dist.runtime._variables import env_int as _env_int
-from torchbearer_dist.runtime.backends import BACKENDS, check_backend, default_backend  # noqa: F401 (re-exported)
+from torchbearer_dist.runtime.backends import check_backend, default_backend
 
 #: The default bounds on each collective and on meeting the ranks or a peer's silence (the second's
 #: default capped at the first): docs/api/process_group.rst says what each bounds and how to override it.
@@ -239,7 +239,7 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
             init_method = None
         elif init_method.startswith('env://'):
             init_method = None
-        elif init_method == 'file://' or len(init_method) <= len('file://'):
+        elif len(init_method) <= len('file://'):  # 'file://', or a scheme with no '://'
             raise ValueError("init_method {!r} names no file; use 'file:///shared/dir/rendezvous'".format(init_method))
 
     local_world_size = _local_world_size(source, world_size, environ)
@@ -277,8 +277,12 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     return env
 
 
+#: The live process group of this process (a ``group._LiveGroup``), or None: the one reference to live
+#: state. Only :mod:`~torchbearer_dist.runtime.group` sets it; it lives here, below everything that
+#: reads it (:func:`current_env`, :mod:`._peers`, :mod:`.interrupts`), so that no import goes upward.
+_live = None
+
+
 def current_env():
     """The :class:`~torchbearer_dist.runtime.env.DistEnv` of the live process group, or None outside one."""
-    from torchbearer_dist.runtime import group  # the live group's owner, which imports this module
-    live = group._live
-    return live.env if live is not None else None
+    return _live.env if _live is not None else None

@@ -20,6 +20,12 @@ class PeerFailedError(RuntimeError):
     def __reduce__(self):
         return type(self), (self.args[0], self.rank, self.kind, self.exc_type)
 
+    @classmethod
+    def from_cause(cls, cause, rank):
+        """The error rank ``rank`` raises for another rank's ``cause`` (a ``_diagnosis.Cause``), e.g.
+        ``rank 1 failed: ValueError: bad batch (rank 0 stopped)``."""
+        return cls('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind, cause.exc_type or None)
+
 
 #: The exit status of a rank that stopped for a pre-emption after its step checkpoint was written:
 #: ``EX_TEMPFAIL`` of ``sysexits.h``, "a temporary failure; the user is invited to retry". Run the same

@@ -3,9 +3,9 @@
 Everything that lives as long as a group, its store, its listening socket, its heartbeat, gloo's
 connections and the cause the heartbeat found, belongs to one :class:`_LiveGroup`, made by
 :func:`init_process_group` and ended by :func:`destroy_process_group` (or by the block of
-:func:`process_group`); :func:`~torchbearer_dist.runtime.env.current_env` reads it. Why a rank stopped
-is decided here (what the block raised, what the heartbeat found) with :mod:`._diagnosis` (the cause,
-published through the store) and :mod:`._watchdog` (the heartbeat).
+:func:`process_group`) and kept in ``env._live``, where :func:`~torchbearer_dist.runtime.env.current_env`
+reads it. Why a rank stopped is decided here (what the block raised, what the heartbeat found) with
+:mod:`._diagnosis` (the cause, published through the store) and :mod:`._watchdog` (the heartbeat).
 
 A guest in the program: importing this module registers no exit handler, installs no signal handler
 and leaves ``sys.excepthook`` alone (Ctrl-C and pre-emption handling are opt-in, in
@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, errors, network, rendezvous
-from torchbearer_dist.runtime._watchdog import LEFT, Watchdog
+from torchbearer_dist.runtime import env as env_module
+from torchbearer_dist.runtime._verdict import LEFT
+from torchbearer_dist.runtime._watchdog import Watchdog
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 
 
@@ -150,11 +152,7 @@ class _LiveGroup:
         :mod:`torchbearer_dist.runtime._gloo_sockets`).
         """
         held = _gloo_sockets.connections(self.gloo, self.env.rank) if self.env.backend == 'gloo' else []
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a broken group is torn down as far as torch allows
-                pass
+        _destroy_torch_group()
         if held and _gloo_sockets.connections(self.gloo, self.env.rank):
             _gloo_sockets.shut_down(self.gloo, self.env.rank)
 
@@ -197,7 +195,6 @@ class _LiveGroup:
 
     def end(self, at_exit=False):
         """Tear the group down as far as torch allows and forget it; safe twice, or after a failure."""
-        global _live
         if not self.ended:  # once: a later group of this process is not this one's to destroy
             self.ended = True
             self.stop_watchdog()
@@ -207,8 +204,8 @@ class _LiveGroup:
                 sys.excepthook = self.excepthooks[0]
             if self.socket is not None:
                 self.socket.close()
-        if _live is self:
-            _live = None
+        if env_module._live is self:
+            env_module._live = None
         if not at_exit and not self.stopped:
             atexit.unregister(self._at_exit)
 
@@ -224,23 +221,11 @@ class _LiveGroup:
         :func:`_import_torch_nn_first`), and wait for every stopped heartbeat. Registered while the group
         lives (or a stopped heartbeat's thread does); it never exits the process nor sets its status.
         """
-        if _live is self:
+        if env_module._live is self:
             self.leave(wait=False)  # no wait for the peers: an uncaught error may be on its way out
             self.end(at_exit=True)
         while self.stopped:
             self.stopped.pop().join()
-
-
-#: The live group of this process, or None: the one reference to live state.
-_live = None
-
-
-def _end():
-    """End the live group, if any, and a torch group made outside this package; safe twice."""
-    if _live is not None:
-        _live.end()
-    else:
-        _destroy_torch_group()
 
 
 def _destroy_torch_group():
@@ -290,7 +275,6 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
 
     .. warning:: A synchronization point: it returns once every rank has joined.
     """
-    global _live
     environ = os.environ
     env = resolve(rank=rank, world_size=world_size, host=host, port=port, backend=backend, timeout=timeout,
                   init_method=init_method, local_rank=local_rank, environ=environ)
@@ -298,13 +282,13 @@ def init_process_group(rank=None, world_size=None, host=None, port=None, backend
     if dist.is_initialized():
         raise RuntimeError('a torch.distributed process group is already initialized; call '
                            'torchbearer_dist.destroy_process_group() before initializing another')
-    if _live is not None:  # its torch group was destroyed behind its back: end the rest of it
-        _live.end()
+    if env_module._live is not None:  # its torch group was destroyed behind its back: end the rest of it
+        env_module._live.end()
     if env.backend == 'nccl':
         torch.cuda.set_device(env.local_rank)
     store, sock = rendezvous._make_store(env, environ)
     store = dist.PrefixStore(rendezvous._namespace(environ), store)
-    live = _live = _LiveGroup(env, store, sock)
+    live = env_module._live = _LiveGroup(env, store, sock)
     try:
         if env.world_size > 1:
             store.set_timeout(env.meet_timeout)
@@ -366,8 +350,7 @@ def _joining_failed(live, error):
         # the others read the cause through their heartbeat's connection: keep the store up meanwhile
         _diagnosis.publish(watchdog.store, cause)
         _diagnosis.wait_until_read(watchdog.store, env.world_size, skip=cause.rank)
-    return errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank, cause.kind,
-                                  cause.exc_type or None)
+    return errors.PeerFailedError.from_cause(cause, env.rank)
 
 
 def _create(live, environ):
@@ -419,9 +402,12 @@ def destroy_process_group():
         >>> import torchbearer_dist as tbd
         >>> tbd.destroy_process_group()  # nothing to do outside a process group
     """
-    if _live is not None:
-        _live.leave()
-    _end()
+    live = env_module._live
+    if live is None:  # a torch group made outside this package, if any
+        _destroy_torch_group()
+    else:
+        live.leave()
+        live.end()
 
 
 @contextmanager
@@ -456,7 +442,7 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
     env = init_process_group(rank=rank, world_size=world_size, host=host, port=port, backend=backend,
                              timeout=timeout, init_method=init_method, local_rank=local_rank,
                              rendezvous_timeout=rendezvous_timeout)
-    live = _live
+    live = env_module._live
     store = live.store
     try:
         yield env
@@ -478,16 +464,12 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
         live.stop_peers()
         if env.rank == 0:
             _diagnosis.wait_until_read(store, env.world_size, skip=cause.rank)
-        live.end()
         if not own:
-            raise errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
-                                         cause.kind, cause.exc_type or None) from error
+            raise errors.PeerFailedError.from_cause(cause, env.rank) from error
         raise
     else:
         cause = live.leave()
         if cause is not None:  # this rank's block ended well, but a peer fell silent before leaving
-            live.end()
-            raise errors.PeerFailedError('{} (rank {} stopped)'.format(cause.line(), env.rank), cause.rank,
-                                         cause.kind, cause.exc_type or None)
+            raise errors.PeerFailedError.from_cause(cause, env.rank)
     finally:
         live.end()

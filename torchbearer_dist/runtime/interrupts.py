@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, group
+from torchbearer_dist.runtime import _diagnosis, env
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
@@ -77,13 +77,12 @@ def _wait_for_interrupt(read_fd, write_fd, grace):
         time.sleep(grace)
         if _watch['fds'] != (read_fd, write_fd) or _watch['handled'] >= received:
             continue  # unwatched, or the main thread handled it (a handler of the program's may go on running)
-        live = group._live
-        env = live.env if live is not None else None
+        live = env._live
         sys.stderr.write('torchbearer_dist: rank {} interrupted inside a collective; stopping\n'.format(
-            '?' if env is None else env.rank))
+            '?' if live is None else live.env.rank))
         sys.stderr.flush()
-        if env is not None and env.world_size > 1:
-            _diagnosis.publish(live.store, _diagnosis.Cause(env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
+        if live is not None and live.env.world_size > 1:
+            _diagnosis.publish(live.store, _diagnosis.Cause(live.env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
                                                           'interrupted (SIGINT)'))
             live.interrupt_collectives()
         time.sleep(grace)
