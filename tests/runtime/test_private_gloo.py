@@ -23,7 +23,7 @@ store = dist.TCPStore('127.0.0.1', port, 1, True, timeout=datetime.timedelta(sec
 dist.init_process_group('gloo', store=store, rank=0, world_size=1)
 raw = store.get('{}//cpu//0/0'.format(dist.group.WORLD.group_name))  # the key itself, before any parsing
 found = _gloo_sockets.endpoints(store, dist.group.WORLD.group_name, 0, 1)
-listening = [local for fd, inode, local, remote, listens in _gloo_sockets._sockets() if listens]
+listening = [local for fd, inode, local, remote in _gloo_sockets._sockets() if remote is None]
 print('KEY', len(raw), 'HOST', raw[8:8 + struct.unpack_from('<Q', raw)[0]], 'FOUND', found, 'LISTENING', listening,
       flush=True)
 assert found is not None and found[0] in listening, (found, listening)

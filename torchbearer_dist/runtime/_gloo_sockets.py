@@ -24,6 +24,8 @@ import socket
 import struct
 import sys
 
+import torch
+
 from torchbearer_dist._once import warn_once
 
 _AF_INET, _AF_INET6 = 2, 10
@@ -52,7 +54,8 @@ def _plain(ip):
 
 
 def _sockets():
-    """``[(fd, inode, local (ip, port), remote (ip, port) or None, listening)]`` for this process's TCP sockets.
+    """``[(fd, inode, local (ip, port), remote (ip, port), or None for a listening socket)]`` for this
+    process's TCP sockets (a socket neither listening nor connected is left out).
 
     Asked of each socket itself (``getsockname``, ``getpeername``) rather than read from
     ``/proc/net/tcp``, which can skip rows while other sockets come and go.
@@ -68,13 +71,10 @@ def _sockets():
                 continue
             local = _plain(sock.getsockname()[0]), sock.getsockname()[1]
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                found.append((fd, int(inode), local, None, True))
-                continue
-            try:
-                remote = _plain(sock.getpeername()[0]), sock.getpeername()[1]
-            except OSError:  # not connected
-                continue
-            found.append((fd, int(inode), local, remote, False))
+                found.append((fd, int(inode), local, None))
+            else:
+                remote = sock.getpeername()  # OSError when not connected: left out
+                found.append((fd, int(inode), local, (_plain(remote[0]), remote[1])))
         except OSError:
             continue
         finally:
@@ -116,7 +116,7 @@ def endpoints(store, group_name, rank, world_size):
     except Exception:
         return _lost()
     found = [published(value) for value in values]
-    listening = set(local for _, _, local, _, listens in _sockets() if listens)
+    listening = set(local for _, _, local, remote in _sockets() if remote is None)
     if None in found or found[rank] not in listening:
         return _lost()
     return found
@@ -150,7 +150,6 @@ def published(value):
 
 def _lost():
     if sys.platform.startswith('linux'):  # elsewhere this module never had a way to the sockets
-        import torch
         warn_once(LOST.format(torch.__version__))
     return None
 
@@ -161,8 +160,8 @@ def connections(addresses, rank):
     if not addresses:
         return []
     peers = set(a for r, a in enumerate(addresses) if r != rank)
-    return [(fd, inode) for fd, inode, local, remote, listens in _sockets()
-            if not listens and (local == addresses[rank] or remote in peers)]
+    return [(fd, inode) for fd, inode, local, remote in _sockets()
+            if remote is not None and (local == addresses[rank] or remote in peers)]
 
 
 def store_connections(host, port):
@@ -178,17 +177,12 @@ def store_connections(host, port):
         addresses = set(_plain(info[4][0]) for info in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
     except OSError:
         return []
-    return [(fd, inode) for fd, inode, _, remote, listens in _sockets()
-            if not listens and remote is not None and remote[1] == port and remote[0] in addresses]
+    return [(fd, inode) for fd, inode, _, remote in _sockets()
+            if remote is not None and remote[1] == port and remote[0] in addresses]
 
 
 def shut_down_connections(pairs):
-    """Shut down the sockets ``pairs`` (from :func:`connections` or :func:`store_connections`) still name.
-
-    Returns:
-        int: how many were shut down
-    """
-    count = 0
+    """Shut down the sockets ``pairs`` (from :func:`connections` or :func:`store_connections`) still name."""
     for fd, inode in pairs:
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -198,18 +192,12 @@ def shut_down_connections(pairs):
             if os.fstat(sock.fileno()).st_ino != inode:  # closed and reused since it was listed
                 continue
             sock.shutdown(socket.SHUT_RDWR)
-            count += 1
         except OSError:
             pass
         finally:
             sock.close()
-    return count
 
 
 def shut_down(addresses, rank):
-    """Shut down this process's gloo :func:`connections`, so that every collective on them fails now.
-
-    Returns:
-        int: how many connections were shut down
-    """
-    return shut_down_connections(connections(addresses, rank))
+    """Shut down this process's gloo :func:`connections`, so that every collective on them fails now."""
+    shut_down_connections(connections(addresses, rank))

@@ -27,7 +27,8 @@ def address(port):
     comm = MPI.COMM_WORLD
     if comm.Get_size() == 1:  # an mpi4py built for another MPI than the one that started us
         return None
-    everyone = comm.gather(_own_addresses(), root=0)
+    # this machine's IPv4 addresses other than loopback, one per interface
+    everyone = comm.gather([a for _, a in network.interface_addresses() if not a.startswith('127.')], root=0)
     answer = None
     if comm.Get_rank() == 0:
         host = _pick_address(everyone)
@@ -39,11 +40,6 @@ def address(port):
     answer = comm.bcast(answer, root=0)
     _cache['address'] = answer
     return answer
-
-
-def _own_addresses():
-    """This machine's IPv4 addresses other than loopback, one per interface."""
-    return [address for _, address in network.interface_addresses() if not address.startswith('127.')]
 
 
 def _pick_address(everyone):

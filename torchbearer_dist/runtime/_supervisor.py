@@ -23,11 +23,14 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def receive(conn):
-    try:
-        return pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return None
+def _collect(pipes, reports):
+    """Add to ``reports`` what each rank that has not reported yet sent (None: its pipe broke)."""
+    for rank, pipe in enumerate(pipes):
+        if rank not in reports and pipe.poll():
+            try:
+                reports[rank] = pickle.loads(pipe.recv_bytes())
+            except (EOFError, OSError):
+                reports[rank] = None
 
 
 def stop(processes, grace):
@@ -45,7 +48,7 @@ def stop(processes, grace):
             process.join()
 
 
-def error_for(rank, report, exitcode, tail=()):
+def error_for(rank, report, exitcode, tail):
     if report is None:
         name = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
@@ -167,8 +170,9 @@ class _Idle:
         return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
 
 
-def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=None):
-    reports, results = {}, {}
+def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
+    """Watch the ranks until they end: what each returned, in rank order, or the root cause's error raised."""
+    reports = {}
     started = time.monotonic()
     failed_at = None
     forwarded = False
@@ -179,11 +183,9 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
             for process in processes:
                 if process.exitcode is None:
                     os.kill(process.pid, signal.SIGTERM)
-        for rank, pipe in enumerate(pipes):
-            if rank not in reports and pipe.poll():
-                reports[rank] = receive(pipe)
-        failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
-        failed += [r for r, rep in reports.items() if rep is not None and rep[0] == 'error' and r not in failed]
+        _collect(pipes, reports)
+        failed = any(p.exitcode not in (None, 0) for p in processes) or any(
+            rep is not None and rep[0] == 'error' for rep in reports.values())
         if failed and failed_at is None:
             failed_at = time.monotonic()
         running = [r for r, p in enumerate(processes) if p.exitcode is None]
@@ -191,7 +193,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
             break  # the rest are stopped by a signal: they will not report
         if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
             break
-        if last_rank_bound is not None and not failed and len(running) < len(processes):
+        if not failed and len(running) < len(processes):
             stalled = [r for r in running if idle.stalled(r, processes[r].pid, time.monotonic())]
             if stalled:  # a stopped process first: the others may be waiting for it
                 stalled.sort(key=lambda r: _stat(processes[r].pid)[0] not in ('T', 't'))
@@ -202,12 +204,8 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
             raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
                 running, deadline))
         connection.wait([p.sentinel for p in processes] + pipes, timeout=0.1)
-    for rank, pipe in enumerate(pipes):
-        if rank not in reports and pipe.poll():
-            reports[rank] = receive(pipe)
-    for rank, report in reports.items():
-        if report is not None and report[0] == 'ok':
-            results[rank] = report[1]
+    _collect(pipes, reports)
+    results = {rank: report[1] for rank, report in reports.items() if report is not None and report[0] == 'ok'}
     if len(results) == len(processes):
         return [results[r] for r in range(len(processes))]
     died = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
@@ -219,9 +217,9 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound=None, stderr=No
     peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
     rank = (own + [r for r in died if reports.get(r) is None] + peer + [r for r in range(len(processes))
                                                                         if r not in results])[0]
-    if stderr is not None and reports.get(rank) is None:
+    if reports.get(rank) is None:
         stderr.drain()
-    raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank) if stderr else ())
+    raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank))
 
 
 def _peer_failure(report):

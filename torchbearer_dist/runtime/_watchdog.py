@@ -17,8 +17,7 @@ outlasted the rendezvous timeout, what it then finds wrong is its own pause, and
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, _peers, _verdict
-from torchbearer_dist.runtime._verdict import LEFT  # noqa: F401 (re-exported: the leave mark)
+from torchbearer_dist.runtime import _diagnosis, _verdict
 
 _INTERVAL = 1.0
 #: Beats per rendezvous timeout, at least: a beat that falls late under load is not yet a silence.
@@ -40,18 +39,17 @@ class Watchdog:
             so that the cause can be published there
         interval (float): seconds between beats, at most; shorter where the rendezvous timeout is
             under :data:`_BEATS_PER_LIMIT` of them
-        dead_ranks (callable): the local peer ranks whose process is gone (by default
-            :func:`torchbearer_dist.runtime._peers.dead_local_ranks`)
+        dead_ranks (callable): the local peer ranks whose process is gone (the live group passes
+            :func:`torchbearer_dist.runtime._peers.dead_local_ranks` of its peers); by default none
     """
 
     def __init__(self, env, store, on_failure, interval=_INTERVAL, dead_ranks=None):
-        self.limit = env.meet_timeout.total_seconds()
+        limit = env.meet_timeout.total_seconds()
         self.env, self.store, self.on_failure = env, store, on_failure
-        self.interval = min(interval, self.limit / _BEATS_PER_LIMIT)
-        self._dead_ranks = dead_ranks or _peers.dead_local_ranks
-        watched = list(range(env.world_size)) if env.rank == 0 else [0]
-        self.watched = [r for r in watched if r != env.rank]
-        self.limits = _verdict.Limits(env.rank, tuple(self.watched), self.limit)
+        self.interval = min(interval, limit / _BEATS_PER_LIMIT)
+        self._dead_ranks = dead_ranks or frozenset
+        watched = range(env.world_size) if env.rank == 0 else [0]
+        self.limits = _verdict.Limits(env.rank, tuple(r for r in watched if r != env.rank), limit)
         now = time.monotonic()
         self._seen = _verdict.Sample(now, now)  # the last store round that succeeded
         self._failed = (float('-inf'), 0)  # when a store round last failed, and how many in a row
@@ -72,15 +70,13 @@ class Watchdog:
         A failing rank reports its cause without waiting for a store call blocked on a silent host.
         """
         self._stop.set()
-        for thread in self._threads:
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(wait)
+        self.join(wait)
 
     def running(self):
         """Whether a thread is still alive, e.g. inside a store call after :meth:`stop`."""
         return any(thread.is_alive() for thread in self._threads)
 
-    def join(self):
+    def join(self, seconds=None):
         """Wait until both threads have ended, that is until a store call in flight has returned.
 
         A daemon thread still inside a torch call when the interpreter finalizes aborts the whole
@@ -88,11 +84,15 @@ class Watchdog:
         134: pytest itself aborted so when only :meth:`stop` waited, see tests/runtime/test_group_safety.py). The
         wait is bounded by the store's own timeout: only a call to a silent host that never returns
         is left behind.
+
+        Args:
+            seconds (float): the most to wait for each thread; by default that bound
         """
-        bound = self.store.timeout.total_seconds() + self.interval + 1.0
+        if seconds is None:
+            seconds = self.store.timeout.total_seconds() + self.interval + 1.0
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(bound)
+                thread.join(seconds)
 
     def frozen_cause(self):
         """The :class:`~_diagnosis.Cause` naming this rank when it has just been paused for longer than
@@ -102,7 +102,7 @@ class Watchdog:
         older than the limit.
         """
         seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
-        return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limit)
+        return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limits.limit)
 
     def silence(self):
         """Seconds the longest-silent watched peer's beat has been seen unchanged, or None (see
@@ -110,7 +110,7 @@ class Watchdog:
         return _verdict.silence(self._memory, time.monotonic())
 
     def _beat(self):
-        store, keys = self.store, ['hb/{}'.format(r) for r in self.watched]
+        store, keys = self.store, ['hb/{}'.format(r) for r in self.limits.watched]
         while not self._stop.wait(self.interval):
             began = time.monotonic()
             try:
@@ -134,8 +134,6 @@ class Watchdog:
             seen = _verdict.Observation(now, self._seen, failed, failures, dead)
             self._memory, verdict = _verdict.judge(self._memory, seen, self.limits)
             if verdict is not None:
-                return self._fail(verdict)
-
-    def _fail(self, verdict):
-        if not self._stop.is_set():
-            self.on_failure(_diagnosis.cause_of(verdict, self.env), verdict.store_answers)
+                if not self._stop.is_set():
+                    self.on_failure(_diagnosis.cause_of(verdict, self.env), verdict.store_answers)
+                return

@@ -69,10 +69,11 @@ def gloo_interface(env, environ):
     return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)
 
 
-#: The launcher's own way to hand every rank ``MASTER_ADDR``, for the error of a job with no address.
-_EXPORT = {'openmpi': 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=29500 ...',
-           'pmi': 'mpiexec -genv MASTER_ADDR ADDR ...',
-           'slurm': 'export MASTER_ADDR=ADDR before srun'}
+#: Each launcher that says how many ranks run here (the only sources checked): its command, and its
+#: own way to hand every rank ``MASTER_ADDR``, for the error of a job with no address.
+_EXPORT = {'openmpi': ('mpirun', 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=29500 ...'),
+           'pmi': ('mpiexec', 'mpiexec -genv MASTER_ADDR ADDR ...'),
+           'slurm': ('srun', 'export MASTER_ADDR=ADDR before srun')}
 
 
 def check_not_loopback(env, given):
@@ -89,14 +90,14 @@ def check_not_loopback(env, given):
         return
     if not is_loopback(env.host):
         return
-    how = {'openmpi': 'mpirun', 'pmi': 'mpiexec', 'slurm': 'srun'}.get(env.source, env.source)
+    how, export = _EXPORT[env.source]
     if given:
         raise RuntimeError('rank {} of {} runs on a machine with {} of the job\'s ranks ({} says so) but was told '
                            'to meet rank 0 at {}, a loopback address that is a different machine on each host; '
                            'pass --host (or MASTER_ADDR) an address of rank 0\'s machine, e.g. {}'.format(
-                               env.rank, env.world_size, env.local_world_size, how, env.address, _EXPORT[env.source]))
+                               env.rank, env.world_size, env.local_world_size, how, env.address, export))
     raise RuntimeError('rank {} of {}: {} started the job on several machines ({} of its ranks here) and gives no '
                        'address of rank 0; pass --host ADDR or set MASTER_ADDR on every rank, e.g. {}{}'.format(
-                           env.rank, env.world_size, how, env.local_world_size, _EXPORT[env.source],
+                           env.rank, env.world_size, how, env.local_world_size, export,
                            ', or pip install mpi4py to have rank 0\'s address sent through MPI'
                            if env.source in ('openmpi', 'pmi') else ''))
