@@ -251,3 +251,41 @@ def test_ctrl_c_at_a_random_moment_of_the_start_ends_every_rank_naming_rank_1():
             assert elapsed < RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK
         finally:
             _kill_all(ranks)
+
+
+@pytest.mark.slow
+def test_rank_0_stopped_in_the_handshake_ends_the_others_naming_it(tmp_path):
+    """Rank 0, which holds the store, is stopped (kill -STOP) while every rank is inside the handshake:
+    ranks 1 and 2 end within the rendezvous timeout and the cause wait, naming rank 0. Its kernel still
+    accepts what they send, and torch's client retried its read past its own timeout: both waited in
+    ``rendezvous._wait`` for over 40 s (none ended in 40 s, measured), beyond every bound."""
+    port = free_port()
+    release = tmp_path / 'release'
+    command = [sys.executable, HANDSHAKE_RANK, '--world-size', '3', '--port', str(port), '--timeout', str(TIMEOUT)]
+    ranks = [subprocess.Popen([*command, '--rank', str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True, cwd=ROOT,
+                              env=child_env(HANDSHAKE_HOLD='2', HANDSHAKE_HOLD_RELEASE=str(release)))
+             for r in range(3)]
+    try:
+        _wait_for_line(ranks[2], 'held in the handshake', timeout=STARTUP + 60)
+        for rank in (0, 1):
+            _wait_for_line(ranks[rank], 'waiting for rank 2', timeout=STARTUP + 60)
+        os.kill(ranks[0].pid, signal.SIGSTOP)  # rank 1 now waits on the frozen store for rank 2's world size
+        stopped = time.monotonic()
+        release.touch()  # rank 2 says where it runs and its world size to the frozen store, then waits too
+        _, results = _wait_all(ranks[1:], RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK + 30)
+        elapsed = time.monotonic() - stopped
+        print('rank 0 stopped in the handshake: ranks 1 and 2 gone {:.2f} s after it'.format(elapsed))
+        assert [rc for rc, _ in results] == [1, 1], results
+        for rank, (_, err) in zip((1, 2), results):
+            assert _error_lines(err) == [
+                'error: no answer from rank 0 (the master at 127.0.0.1:{}) for {:g} s: its host is down or the '
+                'network is partitioned; check that host and the network, or raise rendezvous_timeout= (rank {} '
+                'stopped)'.format(port, RENDEZVOUS_TIMEOUT, rank)], err
+        assert elapsed < RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK
+    finally:
+        try:
+            os.kill(ranks[0].pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        _kill_all(ranks)
