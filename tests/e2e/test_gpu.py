@@ -12,6 +12,7 @@ marked ``slow`` instead of ``gpu``, so nothing skips them::
 Every comparison runs in float32 with TF32 off, against the reference the CPU tests use
 (tests/callbacks/test_equivalence.py, tests/sync/test_syncbn.py: their data, models and constants).
 """
+import functools
 import os
 import shutil
 import sys
@@ -166,17 +167,41 @@ def _scenario_syncbn():
     return result
 
 
-def _worker_one_device():
+def _scenario_diloco(folder):
+    """DiLoCo (3 local steps) with a step checkpoint every 4 steps: at steps 4 and 8, between two outer steps,
+    every rank's local weights and optimizer state are gathered to rank 0 (a gather gloo takes on CPU only)."""
+    rank, device = dist.get_rank(), _device()
+    model = equivalence._model('mlp', equivalence.SEED + rank).to(device)
+    dataset = TensorDataset(*equivalence._data())
+    loader = DataLoader(dataset, batch_size=equivalence.B, sampler=DistributedSampler(dataset, shuffle=True, seed=1))
+    path = os.path.join(folder, 'diloco.pt')
+    callbacks = [torchbearer_dist.Checkpoint(path, every_steps=4, keep=3),
+                 *torchbearer_dist.distributed_callbacks(local_steps=3)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=equivalence.LR, momentum=equivalence.MOMENTUM)
+    trial = Trial(model, optimizer, nn.CrossEntropyLoss(), callbacks=callbacks, verbose=0).to(device)
+    trial.with_train_generator(loader).run(1)
+    locals_ = None
+    if rank == 0:  # every checkpoint kept: the step ones hold each rank's local state, on the device it trained on
+        locals_ = []
+        for name in sorted(os.listdir(folder)):
+            saved = torch.load(os.path.join(folder, name), weights_only=True, map_location='cpu')
+            diloco = next(e['state'] for e in saved['callbacks'] if e['type'].endswith('.DiLoCo'))
+            locals_.append((diloco['inner_steps'], len(diloco['local'] or ())))
+    return {'device': str(next(model.parameters()).device), 'state': _cpu(model.state_dict()), 'locals': locals_}
+
+
+def _worker_one_device(folder):
     _exact_float32()
-    results = run_in_step([('allreduce', _scenario_allreduce), ('ddp', _scenario_ddp), ('syncbn', _scenario_syncbn)])
+    results = run_in_step([('allreduce', _scenario_allreduce), ('ddp', _scenario_ddp),
+                           ('diloco', functools.partial(_scenario_diloco, folder)), ('syncbn', _scenario_syncbn)])
     if dist.get_rank() == 0:
         results['reference'] = _reference_on(_device())
     return results
 
 
 @pytest.fixture(scope='module')
-def one_device():
-    return run_workers(_worker_one_device, 2, deadline=150)
+def one_device(tmp_path_factory):
+    return run_workers(_worker_one_device, 2, args=(str(tmp_path_factory.mktemp('diloco')),), deadline=150)
 
 
 def _assert_like_the_reference(per_rank, name):
@@ -296,3 +321,11 @@ def test_wrap_ddp_device_argument_is_validated_before_wrapping():
         wrapped = torchbearer_dist.wrap_ddp(nn.Linear(2, 2), device=torch.device('cpu'))
         assert wrapped.device == torch.device('cpu') and wrapped.module.weight.device.type == 'cpu'
         assert wrapped.device_ids is None
+
+
+@_one_device
+def test_diloco_step_checkpoints_gather_each_ranks_state_from_the_gpu(one_device):
+    rank0, rank1 = scenario_values(one_device, 'diloco')
+    assert rank0['device'] == rank1['device'] == str(_device())
+    # newest first: the epoch's end (an outer step: nothing local), step 8 (2 local steps), step 4 (1)
+    assert rank0['locals'] == [(0, 0), (2, 2), (1, 2)], rank0['locals']

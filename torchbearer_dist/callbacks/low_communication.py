@@ -263,9 +263,10 @@ class DiLoCo(Callback):
             return
         optimizer = copy.deepcopy(state[torchbearer.OPTIMIZER].state_dict())
         leaves = list(self.engine.params) + list(self.engine.buffers) + _tensor_leaves(optimizer)
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in leaves]) if leaves else \
-            torch.zeros(0, dtype=torch.float64)  # float64 holds every float32, half and int32 value exactly
-        size = torch.tensor([flat.numel(), -flat.numel()], dtype=torch.int64)
+        device = collectives.comm_device(leaves[0].device if leaves else torch.device('cpu'))  # gloo: CPU only
+        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in leaves]) if leaves else \
+            torch.zeros(0, dtype=torch.float64, device=device)  # float64 holds every float32, half, int32 exactly
+        size = torch.tensor([flat.numel(), -flat.numel()], dtype=torch.int64, device=device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
         if size[0] != -size[1]:
             raise RuntimeError('the inner optimizer holds state of different sizes on different ranks ({} to {} '
@@ -280,7 +281,7 @@ class DiLoCo(Callback):
         for values in everyone:
             tensors, offset = [], 0
             for t in leaves:
-                tensors.append(values[offset:offset + t.numel()].to(t.dtype).view_as(t).clone())
+                tensors.append(values[offset:offset + t.numel()].to(t.device, t.dtype).view_as(t).clone())
                 offset += t.numel()
             n, m = len(self.engine.params), len(self.engine.buffers)
             self._gathered.append({'params': tensors[:n], 'buffers': tensors[n:n + m],
