@@ -126,8 +126,9 @@ class SyncBatchNorm(_batchnorm.base()):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, device=None, dtype=None, bias=True):
+        # bias=False reaches torch's base only when asked: that keyword is torch 2.13's
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+                         **({} if bias else {'bias': False}))
         self.process_group = process_group
 
     def _check_input_dim(self, input):
