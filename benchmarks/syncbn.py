@@ -96,7 +96,7 @@ def _contender(name, batch, steps):
     if name.endswith('syncbn'):
         model = torchbearer_dist.convert_sync_batchnorm(model)
     if ddp:
-        model = torchbearer_dist.wrap_ddp(model)
+        model = torchbearer_dist.wrap_ddp(model, device='cpu')
     return _trial(model, DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, shuffle=False)),
                   ddp)
 

@@ -41,7 +41,7 @@ from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests
 def _gan_trial(hide_disc_opt=False):
     # Seeded differently on every rank: the package broadcasts the discriminator, DDP the generator.
     generator, discriminator = _gan_models(SEED + dist.get_rank())
-    generator = torchbearer_dist.wrap_ddp(generator)
+    generator = torchbearer_dist.wrap_ddp(generator, device='cpu')
     gen_opt, disc_opt = _gan_optimizers(generator, discriminator)
     dataset = TensorDataset(*_gan_data(dist.get_world_size() * B * STEPS))
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=False))
@@ -85,7 +85,7 @@ def _scenario_unfrozen_inside_ddp():
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
     for p in net[0].parameters():
         p.requires_grad = False
-    model = torchbearer_dist.wrap_ddp(net)
+    model = torchbearer_dist.wrap_ddp(net, device='cpu')
     z, real = _gan_data(dist.get_world_size() * B * STEPS)
     dataset = TensorDataset(z, real)
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=False))

@@ -198,7 +198,7 @@ def _train(name, order, distributed):
         criterion = lambda y_pred, y_true: (nn.functional.cross_entropy(y_pred * scale, y_true)  # noqa: E731
                                             + 0.1 * (scale - 1) ** 2)
     if distributed and row.get('ddp'):
-        model = torchbearer_dist.wrap_ddp(model)
+        model = torchbearer_dist.wrap_ddp(model, device='cpu')
     trained = _OneRankBatches(model) if row.get('batchnorm') and not distributed else model
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.5)
     _OUT[0] = os.path.join(_OUT[1] if distributed else _OUT[2], '{}_{}'.format(''.join(filter(str.isalnum, name)),

@@ -84,7 +84,7 @@ def _train(kind, convert=True, how='callbacks', uneven=False):
     if convert:
         model = convert_sync_batchnorm(model)
     if how == 'ddp':
-        model = torchbearer_dist.wrap_ddp(model)
+        model = torchbearer_dist.wrap_ddp(model, device='cpu')
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = _data(kind)
     if uneven:
