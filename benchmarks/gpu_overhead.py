@@ -7,16 +7,18 @@ Usage::
     python benchmarks/gpu_overhead.py --json out.json --profile prof.txt
 
 One process inside a real process group of one (``torchbearer_dist.process_group``: nccl on CUDA,
-gloo on CPU) trains each model two ways on the same batches, already in the device's memory: a
-plain loop (``zero_grad``, forward, cross-entropy, ``backward``, ``step``) and a torchbearer Trial
-(no metrics, ``verbose=0``) with :func:`torchbearer_dist.distributed_callbacks`. Each way has its
-own model and SGD optimizer, built from the same seed. After one untimed warm-up run each, every
-repeat runs both, in an order that alternates, ``--steps`` steps each; the clocks are read after
+gloo on CPU) trains each model three ways on the same batches, already in the device's memory: a
+plain loop (``zero_grad``, forward, cross-entropy, ``backward``, ``step``), a bare torchbearer Trial
+(no metrics, ``verbose=0``, no callback of ours: torchbearer's own cost) and the same Trial with
+:func:`torchbearer_dist.distributed_callbacks` (ours on top). Each way has its own model and SGD
+optimizer, built from the same seed. After one untimed warm-up run each, every repeat runs all three,
+each first in turn, ``--steps`` steps each; the clocks are read after
 ``torch.cuda.synchronize()`` (the Trial's from a callback at ``on_start_training`` and
 ``on_end_training``, so building the Trial and ``run()``'s set-up are not counted). Figures are
-medians over repeats of steps per second; the ratio is the Trial's median over the plain loop's
-(1.0: no cost; below 1: slower). The models: the example's 784-100-10 perceptron on flat 784-value
-inputs (``example_parts.Net``) and torchvision's ResNet-18 (10 classes) on 3x32x32 inputs, both at
+medians over repeats of steps per second; the ratios are the Trial-with-ours' over the plain loop's
+and over the bare Trial's, each the median of the ratios within a repeat (1.0: no cost; below 1:
+slower). The models: the example's 784-100-10 perceptron on flat 784-value inputs
+(``example_parts.Net``) and torchvision's ResNet-18 (10 classes) on 3x32x32 inputs, both at
 ``--batch-size`` (256; 32 on CPU, where a run is only a smoke check). The data are random: only
 speed is measured.
 
@@ -105,17 +107,19 @@ class _Plain:
 
 
 class _TrialRun:
-    """A torchbearer Trial with distributed_callbacks(): its own model and optimizer, a new Trial each run."""
+    """A torchbearer Trial, with distributed_callbacks() or (``ours=False``) without: its own model and
+    optimizer, a new Trial each run."""
 
-    def __init__(self, name, device):
-        self.device = device
+    def __init__(self, name, device, ours=True):
+        self.device, self.ours = device, ours
         self.model = _model(name).to(device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
 
     def trial(self, batches):
         clock = _Clock(self.device)
         trial = torchbearer.Trial(self.model, self.optimizer, nn.CrossEntropyLoss(), metrics=[],
-                                  callbacks=[clock, *torchbearer_dist.distributed_callbacks()], verbose=0)
+                                  callbacks=[clock, *(torchbearer_dist.distributed_callbacks() if self.ours else [])],
+                                  verbose=0)
         return trial.to(self.device).with_train_generator(batches), clock
 
     def run(self, batches):
@@ -127,20 +131,24 @@ class _TrialRun:
 
 def _measure(name, device, steps, repeats, batch_size):
     batches = _batches(name, batch_size, steps, device)
-    plain, trial = _Plain(name, device), _TrialRun(name, device)
+    runners = {'plain': _Plain(name, device), 'bare': _TrialRun(name, device, ours=False),
+               'trial': _TrialRun(name, device)}
     warm = batches[:min(steps, 20)]
-    plain.run(warm)  # cuDNN's choices, the caching allocator, the first kernels: untimed
-    trial.run(warm)
-    seconds = {'plain': [], 'trial': []}
+    for runner in runners.values():  # cuDNN's choices, the caching allocator, the first kernels: untimed
+        runner.run(warm)
+    seconds = {way: [] for way in runners}
+    order = list(runners)
     for repeat in range(repeats):
-        for way in (('plain', 'trial') if repeat % 2 == 0 else ('trial', 'plain')):
-            seconds[way].append((plain if way == 'plain' else trial).run(batches))
+        for way in order[repeat % 3:] + order[:repeat % 3]:  # each way first in turn
+            seconds[way].append(runners[way].run(batches))
     rates = {way: [steps / s for s in values] for way, values in seconds.items()}
-    plain_rate, trial_rate = statistics.median(rates['plain']), statistics.median(rates['trial'])
-    return {'model': name, 'plain_steps_per_s': plain_rate, 'trial_steps_per_s': trial_rate,
-            'ratio': trial_rate / plain_rate,
+    median = {way: statistics.median(values) for way, values in rates.items()}
+    return {'model': name, 'plain_steps_per_s': median['plain'], 'bare_trial_steps_per_s': median['bare'],
+            'trial_steps_per_s': median['trial'], 'ratio': median['trial'] / median['plain'],
             'ratio_within_repeats': statistics.median(t / p for t, p in zip(rates['trial'], rates['plain'])),
-            'plain_all': rates['plain'], 'trial_all': rates['trial'], 'trial_runner': trial, 'batches': batches}
+            'ratio_to_bare_within_repeats': statistics.median(t / b for t, b in zip(rates['trial'], rates['bare'])),
+            'plain_all': rates['plain'], 'bare_all': rates['bare'], 'trial_all': rates['trial'],
+            'trial_runner': runners['trial'], 'batches': batches}
 
 
 def _profile(result, device, steps):
@@ -219,10 +227,12 @@ def main(argv=None):
     print('{} ({}), batch {}, {} steps per run, median of {} interleaved repeats{}'.format(
         report['device'], backend, args.batch_size, args.steps, args.repeats,
         '; profiled: {}'.format(args.profile) if profiles else ''))
-    print('{:10} {:>16} {:>16} {:>7}'.format('model', 'plain steps/s', 'Trial steps/s', 'ratio'))
-    for r in results:
-        print('{:10} {:>16.1f} {:>16.1f} {:>7.3f}'.format(r['model'], r['plain_steps_per_s'], r['trial_steps_per_s'],
-                                                         r['ratio']))
+    print('{:10} {:>14} {:>17} {:>14} {:>10} {:>10}'.format(
+        'model', 'plain steps/s', 'bare Trial steps/s', 'Trial steps/s', 'to plain', 'to bare'))
+    for r in results:  # the ratios: the Trial with distributed_callbacks() over each other way, within repeats
+        print('{:10} {:>14.1f} {:>17.1f} {:>14.1f} {:>10.3f} {:>10.3f}'.format(
+            r['model'], r['plain_steps_per_s'], r['bare_trial_steps_per_s'], r['trial_steps_per_s'],
+            r['ratio_within_repeats'], r['ratio_to_bare_within_repeats']))
     return report
 
 

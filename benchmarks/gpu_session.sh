@@ -107,6 +107,12 @@ else
         --json "$OUT/bench.json" --profile "$OUT/profile.txt"
 fi
 
+# 5b. with CPU_TESTS=1: the CPU tests of the callbacks and sync layers on a machine where CUDA is present (a
+# test that assumes no GPU shows here); -n 8 on the GPU machine's 16 cores
+if [ "${CPU_TESTS:-0}" = 1 ]; then
+    step cpu-tests 170 "$PY" -m pytest -n 8 -p no:cacheprovider -q -m "not gpu" -o timeout=150 tests/callbacks tests/sync
+fi
+
 # 6. the summary (short: the tool returns the last 12,000 characters)
 {
     echo
@@ -118,7 +124,7 @@ fi
     echo
     head -n 12 "$WORK/versions.txt" 2>/dev/null
     head -n 2 "$WORK/nvidia-smi.txt" 2>/dev/null
-    for name in gpu-tests wrap-ddp-cpu; do
+    for name in gpu-tests wrap-ddp-cpu cpu-tests; do
         echo "$name: $(grep -E '^=+ .*[0-9]+ (passed|failed|skipped|error|errors|xfailed|deselected).* in [0-9.]+s' \
             "$WORK/$name.txt" 2>/dev/null | tail -n 1)"
         grep -E '^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) ' "$WORK/$name.txt" 2>/dev/null | cut -c1-160
