@@ -249,17 +249,17 @@ def fingerprint(tensor):
     with torch.no_grad():
         words, rest = _words(tensor)
         words = torch.cat([words, rest * _ODD]) if rest.numel() else words  # a stray byte counts as a word
-        total = words.sum()
-        weights = _chunk_weights(words.device)
-        ordered = torch.zeros((), dtype=torch.int64, device=words.device)
+        total, weights, ordered = words.sum(), _chunk_weights(words.device), None
         for place, start in enumerate(range(0, words.numel(), _CHUNK)):
             chunk = words[start:start + _CHUNK]
-            weight = _weights(1, words.device, place, _ODD_CHUNK)[0]  # the chunk's place
-            ordered = ordered + (chunk * weights[:chunk.numel()]).sum() * weight
+            part = (chunk * weights[:chunk.numel()]).sum() * _place_weight(place)
+            ordered = part if ordered is None else ordered + part
+        if ordered is None:  # an empty tensor
+            ordered = total
         return torch.stack([total, ordered]).remainder(_MODULUS)
 
 
-#: Odd multipliers of the position weights (any odd 63-bit constants; these are from splitmix64).
+#: Odd multipliers of the position weights: splitmix64's two constants with the top bit cleared.
 _ODD, _ODD_CHUNK = 0x1E3779B97F4A7C15, 0x3F58476D1CE4E5B9
 #: Words weighted at a time: the weights' memory is bounded (8 MB), whatever the tensor's size.
 _CHUNK = 1 << 20
@@ -276,9 +276,15 @@ def _chunk_weights(device):
 _CHUNK_WEIGHTS = {}
 
 
-def _weights(count, device, first=0, odd=_ODD):
-    """``(2i + 1) * odd`` for ``first <= i < first + count``, in wrapping int64: distinct odd weights."""
-    return (torch.arange(first, first + count, dtype=torch.int64, device=device) * 2 + 1) * odd
+def _weights(count, device):
+    """``(2i + 1) * _ODD`` for ``i < count``, in wrapping int64: distinct odd weights, one per position."""
+    return (torch.arange(count, dtype=torch.int64, device=device) * 2 + 1) * _ODD
+
+
+def _place_weight(place):
+    """``(2 * place + 1) * _ODD_CHUNK`` wrapped to a signed 64-bit integer: the weight of a chunk's place."""
+    value = (2 * place + 1) * _ODD_CHUNK % 2 ** 64
+    return value - 2 ** 64 if value >= 2 ** 63 else value
 
 
 def differing_tensors(named_tensors, device=None):
