@@ -117,6 +117,36 @@ def _fail_first_attempt():
     print('attempt {} rank {} ok {:g}'.format(attempt, dist.get_rank(), total.item()), flush=True)
 
 
+def _hold_at_start(rank):
+    """With ``FAULT_RANK_HOLD=<rank> <where>``, hold that rank before it imports torch, so that a test can
+    send it a signal there: ``start`` sleeps (SIGINT then meets only Python's default handler, as during
+    ``import torch``); ``finalizer`` runs a weakref callback, as importlib's module locks run while torch
+    is imported, which spins in Python code, where CPython raises a SIGINT's KeyboardInterrupt and, because
+    a finalizer cannot raise, reports it as "Exception ignored in" and drops it."""
+    held, _, where = os.environ.get('FAULT_RANK_HOLD', '').partition(' ')
+    if held != str(rank):
+        return
+    if where == 'start':
+        print('held at start', flush=True)
+        time.sleep(60)
+    elif where == 'finalizer':
+        import weakref
+
+        class Lock:
+            pass
+
+        def callback(_):
+            print('held in a finalizer', flush=True)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not os.path.exists(os.environ['FAULT_RANK_RELEASE']):
+                sum(range(1000))  # Python code: where a pending signal's handler runs
+
+        lock = Lock()
+        ref = weakref.ref(lock, callback)  # noqa: F841 (kept alive until the callback has run)
+        del lock
+        print('left the finalizer', flush=True)
+
+
 def main(argv=None):
     """Run one rank by hand, as a user does on each machine; print the error in one line and exit 1.
 
@@ -142,6 +172,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'FATAL')  # one line per error, as the example does
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack: why a rank hangs
+    _hold_at_start(args.rank)
     import torch
     torch.set_num_threads(1)
     import torchbearer_dist as tbd
@@ -158,6 +189,8 @@ def main(argv=None):
             sys.exit(130)
         return
     tbd.watch_interrupts()  # a command line owns its process, as the example's does
+    if os.environ.get('FAULT_RANK_SAY_WATCHED') == '1':  # when, on the machine's monotonic clock (all processes')
+        print('interrupts watched at {:.3f}'.format(time.monotonic()), flush=True)
     try:
         with tbd.process_group(rank=args.rank, world_size=args.world_size, host=args.host, port=args.port,
                                backend='gloo', timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout):

@@ -92,7 +92,10 @@ def _wait_all(processes, timeout, said=None):
 
 
 def _error_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith('error: ')]
+    """The lines of ``stderr`` that report an error: the rank program's ``error: ...``, and the line a rank
+    says as it ends itself while gloo connects (``torchbearer_dist: error: ...``, group._end_a_stuck_connect),
+    which no test counted before."""
+    return [line for line in stderr.splitlines() if line.startswith(('error: ', 'torchbearer_dist: error: '))]
 
 
 def _assert_gone(processes, port, within=None):

@@ -225,32 +225,110 @@ def test_ctrl_c_in_the_handshake_ends_every_rank_naming_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.soak
-# Seen once in CI's soak step on a clean clone (attempt 7 of 10, rng seed 0): all three ranks gone 30.9 s
-# after the Ctrl-C and none printed an error line; not yet explained (open in issue 25's note), so a
-# failure is reported, not fatal, until it is.
-@pytest.mark.xfail(strict=False, reason='1 in 10 attempts: every rank ended with no error line (unexplained)')
 def test_ctrl_c_at_a_random_moment_of_the_start_ends_every_rank_naming_rank_1():
-    """The race the test above holds still: Ctrl-C on rank 1 of 3 at a random moment of its start (before
+    """The race the tests above hold still: Ctrl-C on rank 1 of 3 at a random moment of its start (before
     it joins, inside the handshake, or once training runs), 10 times. Ranks 0 and 2 always end within the
-    rendezvous timeout, the cause wait and the slack of the Ctrl-C, and name rank 1, never each other."""
+    rendezvous timeout, the cause wait and the slack of the Ctrl-C, and name rank 1, never each other.
+
+    Except where CPython dropped the Ctrl-C: one that lands in rank 1's ``import torch``, before any
+    handler of the package exists, inside a finalizer (or C code that clears errors) is reported as
+    "Exception ignored in" or not at all, and rank 1 goes on as if never interrupted; the job then trains
+    to its end, every rank exits 0 and none says an error (CI's soak step, attempt 7 of 10: every rank
+    gone 30.9 s after the Ctrl-C without an error line; here 3 in 80 Ctrl-Cs 1.4-1.9 s into ``import
+    torch``). Told apart by when rank 1 started watching Ctrl-C (``interrupts watched at``, on the
+    machine's monotonic clock): a Ctrl-C before it that did not end rank 1 must leave a job that ends
+    well; see test_ctrl_c_dropped_by_python_before_any_handler_lets_the_job_train_on."""
     rng = random.Random(0)
+    dropped = 0
     for attempt in range(10):
         port = free_port()
-        ranks = [_start_rank(r, port, '--epochs', 3, '--step-delay', 0.2, world_size=3) for r in range(3)]
+        ranks = [_start_rank(r, port, '--epochs', 3, '--step-delay', 0.2, world_size=3,
+                             env=child_env(FAULT_RANK_SAY_WATCHED=1)) for r in range(3)]
         try:
             time.sleep(rng.uniform(0.5, 8.0))
             interrupted = time.monotonic()
             os.killpg(ranks[1].pid, signal.SIGINT)  # Ctrl-C in rank 1's terminal
             _, results = _wait_all(ranks, RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK + 30)
             elapsed = time.monotonic() - interrupted
-            print('attempt {}: gone {:.2f} s after the Ctrl-C: {}'.format(
-                attempt, elapsed, [_error_lines(err) for _, err in results]))
+            outputs = [process.stdout.read() for process in ranks]
+            watched = re.search(r'^interrupts watched at (\S+)$', outputs[1], re.M)
+            print('attempt {}: gone {:.2f} s after the Ctrl-C, rank 1 watching {}: {}'.format(
+                attempt, elapsed, '{:+.2f} s after it'.format(float(watched.group(1)) - interrupted) if watched
+                else 'never', [(rc, _error_lines(err)) for rc, err in results]))
+            if results[1][0] == 0 and (watched is None or float(watched.group(1)) > interrupted):
+                dropped += 1  # CPython dropped it before rank 1 had a handler: no fault, the job ends well
+                assert [rc for rc, _ in results] == [0, 0, 0], results
+                assert all(out.splitlines()[-1:] == ['done 3 epochs'] for out in outputs), outputs
+                continue
             for rank in (0, 2):
                 lines = _error_lines(results[rank][1])
                 assert len(lines) == 1 and 'rank 1' in lines[0] and 'rank 0 (' not in lines[0], results[rank][1]
             assert elapsed < RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK
         finally:
             _kill_all(ranks)
+    print('Ctrl-Cs dropped by Python before rank 1 had a handler: {} of 10'.format(dropped))
+
+
+def _start_held(port, hold, release=None):
+    """Ranks 0-2 of a three-rank job (``_handshake_rank.py``), rank 1 held before it imports torch (see
+    ``_fault_rank._hold_at_start``), training one short epoch once it goes on."""
+    command = [sys.executable, HANDSHAKE_RANK, '--world-size', '3', '--port', str(port), '--timeout', str(TIMEOUT)]
+    env = child_env(FAULT_RANK_HOLD='1 {}'.format(hold), FAULT_RANK_RELEASE=str(release),
+                    HANDSHAKE_HOLD='1' if hold == 'start' else '-1')  # a rank 1 that goes on is not held again
+    return [subprocess.Popen([*command, '--rank', str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True, cwd=ROOT, env=env) for r in range(3)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_any_handler_ends_the_others_naming_the_rank_that_never_joined():
+    """Ctrl-C on rank 1 before it imported torch (Python's own handler: it dies with a traceback, having
+    claimed nothing), while ranks 0 and 2 wait for it in the handshake: both end within the rendezvous
+    timeout and the cause wait, saying that rank 1 did not join."""
+    port = free_port()
+    ranks = _start_held(port, 'start')
+    try:
+        _wait_for_line(ranks[1], 'held at start', timeout=STARTUP + 60)
+        for rank in (0, 2):
+            _wait_for_line(ranks[rank], 'waiting for rank 1', timeout=STARTUP + 60)
+        interrupted = time.monotonic()
+        os.killpg(ranks[1].pid, signal.SIGINT)  # Ctrl-C in rank 1's terminal
+        _, results = _wait_all(ranks, RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK + 30)
+        elapsed = time.monotonic() - interrupted
+        print('Ctrl-C before any handler: every rank gone {:.2f} s after it'.format(elapsed))
+        assert results[1][0] == -signal.SIGINT and 'KeyboardInterrupt' in results[1][1], results[1]
+        for rank in (0, 2):
+            lines = _error_lines(results[rank][1])
+            assert [rc for rc, _ in results[::2]] == [1, 1], results
+            assert len(lines) == 1 and 'rank 1 of 3 did not join at 127.0.0.1:{} within {:g} s'.format(
+                port, RENDEZVOUS_TIMEOUT) in lines[0], results[rank][1]
+        assert elapsed < RENDEZVOUS_TIMEOUT + CAUSE_WAIT + LOAD_SLACK
+        _assert_gone(ranks, port)
+    finally:
+        _kill_all(ranks)
+
+
+@pytest.mark.slow
+def test_ctrl_c_dropped_by_python_before_any_handler_lets_the_job_train_on(tmp_path):
+    """CI's unexplained soak outcome, held still: rank 1's Ctrl-C lands in a finalizer (as importlib's
+    module-lock callbacks run while torch is imported), where CPython reports its KeyboardInterrupt as
+    "Exception ignored in" and drops it. No handler of the package exists yet and rank 1 goes on as if never
+    interrupted: the job is not at fault and trains to its end, every rank exits 0 with no error line."""
+    port = free_port()
+    release = tmp_path / 'release'
+    ranks = _start_held(port, 'finalizer', release)
+    try:
+        _wait_for_line(ranks[1], 'held in a finalizer', timeout=STARTUP + 60)
+        os.killpg(ranks[1].pid, signal.SIGINT)  # Ctrl-C in rank 1's terminal
+        time.sleep(0.5)
+        release.touch()
+        _, results = _wait_all(ranks, STARTUP + 90)
+        outputs = [process.stdout.read() for process in ranks]
+        assert 'Exception ignored in' in results[1][1] and 'KeyboardInterrupt' in results[1][1], results[1][1]
+        assert [rc for rc, _ in results] == [0, 0, 0], results
+        assert [_error_lines(err) for _, err in results] == [[], [], []], results
+        assert all(out.splitlines()[-1:] == ['done 1 epochs'] for out in outputs), outputs
+    finally:
+        _kill_all(ranks)
 
 
 @pytest.mark.slow
