@@ -237,16 +237,23 @@ def main(argv=None):
     try:
         run(args)
     except tbd.Preempted as error:
-        print('error: {}'.format(error), file=sys.stderr)
+        _say_error(error)
         return tbd.EXIT_PREEMPTED
     except (tbd.PeerFailedError, ValueError, RuntimeError) as error:
-        print('error: {}'.format(str(error).strip().splitlines()[0]),
-              file=sys.stderr)
+        _say_error(str(error).strip().splitlines()[0])
         return 1 if isinstance(error, tbd.PeerFailedError) else 2
     except KeyboardInterrupt:
-        print('error: interrupted', file=sys.stderr)
+        _say_error('interrupted')
         return 130
     return 0
+
+
+def _say_error(message):
+    """One line on stderr in one write: under mpirun or srun the ranks
+    share one stream, and a line written in two pieces can be cut by
+    another rank's."""
+    sys.stderr.write('error: {}\n'.format(message))
+    sys.stderr.flush()
 
 
 if __name__ == '__main__':

@@ -35,8 +35,13 @@ STARTUP = 30
 #: threads woken late, processes that exit and are reaped slowly. Bounds are the fault's plus this, never
 #: a guess at the machine's speed.
 LOAD_SLACK = 8
-#: Hard bound on one multi-process test, seconds.
+#: Hard bound on one multi-process test, seconds: a hang (no CPU used) fails at it; see :class:`HangGuard`.
 DEADLINE = 60
+#: How far past its deadline a guarded test may run while its processes still use the CPU (a loaded
+#: machine slows a healthy test several times over; a hang uses no CPU and fails at the deadline).
+STRETCH = 4
+#: Progress: the guarded processes used at least PROGRESS_CPU CPU-seconds in the last PROGRESS_WINDOW s.
+PROGRESS_CPU, PROGRESS_WINDOW = 0.5, 10.0
 #: Whether soak tests (many repeats of one scenario) run: CI sets it in a step of its own.
 SOAK = os.environ.get('TORCHBEARER_DIST_TEST_SOAK') == '1'
 
@@ -53,6 +58,62 @@ class WorkerFailed(RuntimeError):
         self.rank, self.text = rank, text
 
 
+def cpu_seconds(pids=(), session=None):
+    """CPU time, user and system, that processes ``pids`` and every process of session ``session`` have
+    used (their reaped children included); processes already gone count no more."""
+    if session is not None:
+        pids = set(pids) | {int(name) for name in os.listdir('/proc') if name.isdigit()}
+    total = 0
+    for pid in pids:
+        try:
+            with open('/proc/{}/stat'.format(pid)) as f:
+                fields = f.read().rsplit(')', 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if session is None or int(fields[3]) == session:
+            total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf('SC_CLK_TCK')
+
+
+class HangGuard:
+    """A multi-process test's deadline that bounds a hang, not the machine's speed.
+
+    Past ``deadline`` seconds the guard expires unless the guarded processes still use the CPU
+    (:data:`PROGRESS_CPU` in the last :data:`PROGRESS_WINDOW` s): a rank blocked on a peer or in a
+    deadlock uses none and fails at the deadline, as before, while a healthy test that a machine
+    loaded 6x its cores slows down runs on, up to :data:`STRETCH` times the deadline.
+    """
+
+    def __init__(self, deadline, pids=(), session=None):
+        self.deadline, self.pids, self.session = deadline, list(pids), session
+        self.started = time.monotonic()
+        self._samples = []  # (time, CPU-seconds), one a second at most
+
+    def expired(self):
+        """Whether the guarded processes are past their deadline and no longer progress."""
+        now = time.monotonic()
+        if not self._samples or now - self._samples[-1][0] >= 1.0:
+            self._samples.append((now, cpu_seconds(self.pids, self.session)))
+            while len(self._samples) > 2 and self._samples[1][0] <= now - PROGRESS_WINDOW:
+                self._samples.pop(0)
+        elapsed = now - self.started
+        if elapsed <= self.deadline:
+            return False
+        if elapsed > STRETCH * self.deadline:
+            return True
+        (then, before), (_, latest) = self._samples[0], self._samples[-1]
+        return now - then >= PROGRESS_WINDOW and latest - before < PROGRESS_CPU
+
+    def describe(self):
+        """Why it expired, for the failure's message."""
+        elapsed = time.monotonic() - self.started
+        if elapsed > STRETCH * self.deadline:
+            return 'after {:.0f} s, {}x the {:g} s deadline, still using the CPU'.format(
+                elapsed, STRETCH, self.deadline)
+        return 'after the {:g} s deadline, using under {:g} CPU-s in the last {:g} s (a hang)'.format(
+            self.deadline, PROGRESS_CPU, PROGRESS_WINDOW)
+
+
 def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, backend='gloo',
                 group='torch'):
     """Run module-level ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return each rank's result in rank order.
@@ -61,7 +122,8 @@ def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, dead
         fn: a module-level function (it is pickled by name)
         world_size (int): how many ranks
         timeout (float): the process group's collective timeout, seconds
-        deadline (float): seconds after which every rank is killed and the test fails
+        deadline (float): seconds after which every rank is killed and the test fails, unless the ranks
+            still use the CPU (:class:`HangGuard`)
         backend (str): ``'gloo'`` or ``'nccl'``
         group (str): ``'torch'`` joins with :func:`torch.distributed.init_process_group` only, as a
             user's own script would; ``'package'`` joins with :func:`torchbearer_dist.process_group`,
@@ -112,7 +174,7 @@ def _context():
 
 
 def _collect(processes, pipes, deadline):
-    results, started = {}, time.monotonic()
+    results, guard = {}, HangGuard(deadline, pids=[process.pid for process in processes])
     while len(results) < len(processes):
         for rank, pipe in enumerate(pipes):
             if rank in results or not pipe.poll():
@@ -128,9 +190,9 @@ def _collect(processes, pipes, deadline):
             if rank not in results and process.exitcode is not None and not pipes[rank].poll():
                 raise AssertionError('rank {} exited with status {} before reporting a result'.format(
                     rank, process.exitcode))
-        if time.monotonic() - started > deadline:
-            raise AssertionError('ranks {} still running after the {:g} s deadline; killed every rank'.format(
-                [r for r in range(len(processes)) if r not in results], deadline))
+        if guard.expired():
+            raise AssertionError('ranks {} still running {}; killed every rank'.format(
+                [r for r in range(len(processes)) if r not in results], guard.describe()))
         connection.wait([p.sentinel for p in processes] + [p for r, p in enumerate(pipes) if r not in results],
                         timeout=0.2)
     return [results[rank] for rank in range(len(processes))]
@@ -222,10 +284,16 @@ def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, d
 
     The ranks fork from multiprocessing's forkserver, the server :func:`run_workers` uses too (torch
     imported once), unless ``start_method`` says otherwise; tests/runtime/test_launch.py runs launch's
-    behaviour under spawn too.
+    behaviour under spawn too. launch's wall-clock ``deadline`` is stretched by the load (:func:`loaded`).
     """
-    return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, deadline=deadline,
-                                   start_method=start_method, **launch_kwargs)
+    return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout,
+                                   deadline=loaded(deadline), start_method=start_method, **launch_kwargs)
+
+
+def loaded(seconds):
+    """``seconds`` stretched by the machine's load when a wall-clock bound cannot watch for progress (launch's
+    own ``deadline=``): as given on an idle machine, up to :data:`STRETCH` times on one loaded 6x its cores."""
+    return seconds * min(STRETCH, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 def run_in_step(scenarios):
@@ -276,7 +344,8 @@ def child_env(**extra):
 
 
 def run_command(command, timeout=DEADLINE, env=None, **popen_kwargs):
-    """Run ``command`` in its own session; kill the whole session at the deadline or on return.
+    """Run ``command`` in its own session; kill the whole session on return, or at ``timeout`` seconds
+    unless its processes still use the CPU (:class:`HangGuard`).
 
     Returns:
         subprocess.CompletedProcess: with ``stdout`` and ``stderr`` as text, plus ``elapsed`` seconds
@@ -284,13 +353,18 @@ def run_command(command, timeout=DEADLINE, env=None, **popen_kwargs):
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=child_env() if env is None else env, **popen_kwargs)
+    guard = HangGuard(timeout, pids=[process.pid], session=process.pid)
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(process.pid)
-        stdout, stderr = process.communicate()
-        raise AssertionError('{} still running after {} s\nstdout:\n{}\nstderr:\n{}'.format(
-            command, timeout, stdout[-3000:], stderr[-3000:])) from None
+        while True:
+            try:
+                stdout, stderr = process.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if guard.expired():
+                    kill_session(process.pid)
+                    stdout, stderr = process.communicate()
+                    raise AssertionError('{} still running {}\nstdout:\n{}\nstderr:\n{}'.format(
+                        command, guard.describe(), stdout[-3000:], stderr[-3000:])) from None
     finally:
         kill_session(process.pid)
     result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
