@@ -114,14 +114,16 @@ class HangGuard:
             self.deadline, PROGRESS_CPU, PROGRESS_WINDOW)
 
 
-def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, deadline=DEADLINE, backend='gloo',
+def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=None, deadline=DEADLINE, backend='gloo',
                 group='torch'):
     """Run module-level ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return each rank's result in rank order.
 
     Args:
         fn: a module-level function (it is pickled by name)
         world_size (int): how many ranks
-        timeout (float): the process group's collective timeout, seconds
+        timeout (float): the process group's collective timeout, seconds; by default :data:`PG_TIMEOUT`
+            stretched by the machine's load (:func:`loaded`): a healthy test's rank may wait that long
+            for a peer that the load slowed, and a fault test passes its own
         deadline (float): seconds after which every rank is killed and the test fails, unless the ranks
             still use the CPU (:class:`HangGuard`)
         backend (str): ``'gloo'`` or ``'nccl'``
@@ -134,6 +136,7 @@ def run_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, dead
         WorkerFailed: a rank raised (the first to report), with its traceback
         AssertionError: a rank died without a report, or the deadline passed
     """
+    timeout = loaded(PG_TIMEOUT) if timeout is None else timeout
     context = _context()
     port = free_port()
     pipes, processes = [], []

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from _dist import ROOT, STARTUP, child_env, free_port
+from _dist import ROOT, STARTUP, child_env, free_port, run_command
 from _faults import _wait_all
 
 #: The host program: its own handlers before the package is imported, a Trial inside the group,
@@ -99,6 +99,6 @@ print(before == imported, exits, imported == handlers())
 def test_importing_the_package_and_a_group_change_nothing_process_wide(tmp_path):
     script = tmp_path / 'imports.py'
     script.write_text(IMPORT_SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=STARTUP + 30,
-                          env=child_env(SLURM_JOB_ID='4242'), cwd=ROOT)
+    done = run_command([sys.executable, str(script)], timeout=STARTUP + 30, env=child_env(SLURM_JOB_ID='4242'),
+                       cwd=ROOT)
     assert (done.returncode, done.stdout) == (0, 'True 0 True\n'), done.stderr
