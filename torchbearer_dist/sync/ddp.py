@@ -64,8 +64,9 @@ def wrap_ddp(model, local_rank=None, device=None, **ddp_kwargs):
     if device.type == 'cuda':
         if not 0 <= device.index < torch.cuda.device_count():
             if named:
-                raise ValueError('device should name a visible GPU (cuda:0 to cuda:{}), but given {!r}'.format(
-                    torch.cuda.device_count() - 1, str(device)))
+                visible = 'cuda:0 to cuda:{}'.format(torch.cuda.device_count() - 1) if torch.cuda.device_count() \
+                    else "this process sees none: pass device='cpu'"
+                raise ValueError('device should name a visible GPU ({}), but given {!r}'.format(visible, str(device)))
             raise ValueError('local_rank should name a visible GPU (0 to {}), but given {}; start one process per '
                              'GPU'.format(torch.cuda.device_count() - 1, device.index))
         torch.cuda.set_device(device)
