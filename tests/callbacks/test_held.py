@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks.gradients import loss_is_summed
 from torchbearer_dist.data import describe_search, distributed_samplers
-from torchbearer_dist.sync.models import fingerprint
+from torchbearer_dist.sync.fingerprint import fingerprint
 
 DISC = torchbearer.state_key('held_disc')
 DISC_OPT = torchbearer.state_key('held_disc_opt')

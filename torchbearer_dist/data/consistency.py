@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from torchbearer_dist.data.loaders import distributed_samplers
 from torchbearer_dist.sync import collectives
-from torchbearer_dist.sync.models import _MODULUS, fingerprint
+from torchbearer_dist.sync.fingerprint import _MODULUS, fingerprint
 
 _LOADERS = ('training', 'validation', 'test')
 _MAX_SAMPLERS = 4
