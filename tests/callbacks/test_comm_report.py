@@ -38,6 +38,7 @@ from _dist import ROOT, python, run_command, run_in_step, run_workers, scenario_
 BATCHES = 8  # per rank and epoch
 EPOCHS = 2
 SLEEP = 0.05  # seconds rank 1 sleeps per step in the slow-rank scenario
+END_OF_PASS = 0.5  # seconds of a callback's on_end_training after the report's
 LINE = re.compile(r'^communication, epoch (\d+)/(\d+): (.*)$', re.M)
 
 
@@ -60,11 +61,19 @@ class _Sleep(Callback):
             time.sleep(SLEEP)
 
 
-def _run(extra=(), **options):
+class _EndOfPass(Callback):
+    """After the report in the list: end-of-pass work of ``END_OF_PASS`` seconds (as DiLoCo's last meeting)."""
+
+    def on_end_training(self, state):
+        time.sleep(END_OF_PASS)
+
+
+def _run(extra=(), after=(), verbose=1, **options):
+    """Two epochs; ``verbose=1`` shows progress (its bar goes to stderr, the report's line to stdout)."""
     model = _model()
-    callbacks = [*extra, *torchbearer_dist.distributed_callbacks(**options)]
+    callbacks = [*extra, *torchbearer_dist.distributed_callbacks(**options), *after]
     trial = Trial(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), metrics=['loss'],
-                  callbacks=callbacks, verbose=0).with_train_generator(_data())
+                  callbacks=callbacks, verbose=verbose).with_train_generator(_data())
     out = io.StringIO()
     with redirect_stdout(out):
         history = trial.run(EPOCHS)
@@ -78,6 +87,8 @@ SCENARIOS = {
     'powersgd': lambda: _run(compression='powersgd', powersgd_rank=1, powersgd_start_iter=2),
     'off': lambda: _run(report=False),
     'slow_rank': lambda: _run(extra=[_Sleep()]),
+    'quiet': lambda: _run(verbose=0),
+    'end_of_pass': lambda: _run(after=[_EndOfPass()]),
 }
 
 
@@ -161,6 +172,24 @@ def test_off_leaves_the_history_and_the_output_alone(ranks):
 
 
 @pytest.mark.slow
+def test_a_verbose_0_trial_prints_nothing_and_the_history_keeps_the_figures(ranks):
+    rank0, rank1 = scenario_values(ranks, 'quiet')
+    assert rank0['out'] == rank1['out'] == ''
+    assert [entry[COMM_BYTES] for entry in rank0['history']] == [BATCHES * _plain_bytes()] * EPOCHS
+
+
+@pytest.mark.slow
+def test_the_training_time_ends_after_every_callbacks_end_of_pass_work(ranks):
+    # The callback sleeping in on_end_training sits after the report: its time is the pass's, as DiLoCo's last
+    # meeting is, wherever the report sits. Every step and the rest of the pass take far less than END_OF_PASS
+    # (the default scenario's train_s).
+    quick = [entry[TRAIN_TIME] for entry in scenario_values(ranks, 'default')[0]['history']]
+    for entry, default in zip(scenario_values(ranks, 'end_of_pass')[0]['history'], quick):
+        assert END_OF_PASS <= entry[TRAIN_TIME], entry
+        assert default < END_OF_PASS, quick
+
+
+@pytest.mark.slow
 def test_a_rank_that_computes_longer_is_named_with_its_lag(ranks):
     rank0, _ = scenario_values(ranks, 'slow_rank')
     for entry in rank0['history']:
@@ -189,8 +218,9 @@ def test_the_figures_are_a_function_of_every_rank_row():
         '2.000 s training; slowest rank 0, 0.000 s of compute behind rank 0')
 
 
-def test_printed_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"^printed should be True or False, but given 'yes'$"):
+def test_printed_must_be_none_or_a_bool():
+    with pytest.raises(ValueError, match=r"^printed should be None \(follow the Trial's verbose\), True or False, but "
+                                         r"given 'yes'$"):
         CommunicationReport(printed='yes')
 
 

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 import torchbearer
 from torchbearer import Callback
-from torchbearer.callbacks import CallbackList
+from torchbearer.callbacks import CallbackList, Tqdm
 from tqdm import tqdm
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks.gradients import AllReduceGradients
 from torchbearer_dist.sync import collectives
 
@@ -57,6 +58,14 @@ def _counter(callback):
     return callback if callable(getattr(callback, 'traffic', None)) else None
 
 
+def _shows_progress(state):
+    """Whether this run prints progress: ``verbose`` 1 or 2 (of ``run`` or else of the Trial), not 0."""
+    printer = _torchbearer.injected(state[torchbearer.CALLBACK_LIST])
+    if printer is None:
+        return getattr(state.get(torchbearer.SELF), 'verbose', 1) != 0
+    return isinstance(printer, Tqdm)
+
+
 def _size(count):
     for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
         if count >= scale:
@@ -80,7 +89,9 @@ class CommunicationReport(Callback):
     - ``comm_mbit_s``: the link rate achieved: payload megabits over the seconds communication was in
       flight (from each step's first all-reduce to the end of its last wait), on the rank that
       waited least.
-    - ``train_s``: the seconds of the training pass (the longest over ranks).
+    - ``train_s``: the seconds of the training pass (the longest over ranks), up to the end of every
+      callback's ``on_end_training``: DiLoCo's meeting at the end of the pass is inside it, as its bytes
+      and waits are inside the others.
     - ``slowest_rank`` and ``slowest_lag_s``: the rank that computed longest (its training time less
       its waits) and by how many seconds it trailed the fastest; every other rank waited that long
       for it.
@@ -100,10 +111,12 @@ class CommunicationReport(Callback):
         >>> trial = Trial(torch.nn.Linear(2, 1), callbacks=[CommunicationReport()])
 
     Args:
-        printed (bool): rank 0 prints the line each epoch; ``False`` only fills the history
+        printed (bool): None (the default): rank 0 prints the line each epoch of a run that shows progress
+            (``verbose`` 1 or 2), and nothing in a ``verbose=0`` run; True: rank 0 prints it whatever the
+            verbosity; False: never. The history holds the figures in every case.
 
     Raises:
-        ValueError: ``printed`` is not a bool
+        ValueError: ``printed`` is not None, True or False
 
     State Requirements:
         - :attr:`torchbearer.state.CALLBACK_LIST`: searched for the callbacks that communicate
@@ -112,16 +125,19 @@ class CommunicationReport(Callback):
     .. warning:: A synchronization point at each epoch's end: every rank must run the same epochs.
     """
 
-    def __init__(self, printed=True):
+    def __init__(self, printed=None):
         super().__init__()
-        if not isinstance(printed, bool):
-            raise ValueError('printed should be True or False, but given {!r}'.format(printed))
+        if printed is not None and not isinstance(printed, bool):
+            raise ValueError('printed should be None (follow the Trial\'s verbose), True or False, but given '
+                             '{!r}'.format(printed))
         self.printed = printed
         self._began = self._figures = None
         self._before, self._steps = [], 0
+        self._show = False
 
     def on_start(self, state):
         self._began = self._figures = None  # nothing measured yet in this run, evaluate or predict
+        self._show = _shows_progress(state) if self.printed is None else self.printed
 
     def on_end(self, state):
         self._began = self._figures = None
@@ -143,13 +159,20 @@ class CommunicationReport(Callback):
     def on_step_training(self, state):
         self._steps += 1
 
-    def on_end_training(self, state):
-        if self._began is None:
-            return
-        self._figures = [time.perf_counter() - self._began]
-        self._began = None
+    def _stop_clock(self):
+        if self._began is not None:
+            self._figures = [time.perf_counter() - self._began]
+            self._began = None
+
+    def on_start_validation(self, state):
+        # The training pass ends after every callback's on_end_training, whatever the order of the list
+        # (DiLoCo's last meeting of the pass runs there): the clock stops at the next event after them.
+        if self._figures is None:
+            self._stop_clock()
 
     def on_end_epoch(self, state):
+        if self._figures is None:  # an epoch without validation: this is the first event after the pass
+            self._stop_clock()
         if self._figures is None:  # no training pass measured (one process, evaluate, predict)
             return
         # The traffic is read here, after every callback's on_end_training: DiLoCo's last outer step of
@@ -173,7 +196,7 @@ class CommunicationReport(Callback):
         rows = table.cpu().tolist()
         report = self.figures(rows)
         state[torchbearer.METRICS].update(report)
-        if self.printed and collectives.rank() == 0:
+        if self._show and collectives.rank() == 0:
             tqdm.write(self.line(report, rows, state[torchbearer.EPOCH], state[torchbearer.MAX_EPOCHS]))
 
     @staticmethod
