@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torchbearer_dist
 
-from _dist import launch_workers
+from _dist import launch_workers, run_command
 
 
 def _worker_rank_and_sum():
@@ -65,6 +65,42 @@ def test_a_rank_that_dies_without_reporting_leaves_its_last_stderr_line(start_me
     with pytest.raises(RuntimeError, match=r'^rank 1 was killed by SIGKILL before reporting an error; its last lines '
                                            r'on stderr: rank 1 is about to crash in native code\n'):
         launch_workers(_worker_rank1_dies_after_a_line_on_stderr, start_method=start_method, rendezvous_timeout=5)
+
+
+_KILLED_PEER_PROGRAM = '''
+import multiprocessing, os, signal, sys
+import torch
+import torch.distributed as dist
+import torchbearer_dist
+
+def work():
+    if dist.get_rank() == 0:  # a semaphore alive at the fault, as the one tqdm.write makes for its lock
+        lock = multiprocessing.Lock()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # rank 0 learns of the death here, reports it, and exits
+
+if __name__ == '__main__':
+    try:
+        torchbearer_dist.launch(work, 2, start_method=sys.argv[1], rendezvous_timeout=5)
+    except RuntimeError as error:
+        sys.stderr.write('error: {}\\n'.format(str(error).splitlines()[0]))
+        sys.exit(1)
+'''
+
+
+@START_METHODS
+def test_the_cause_of_a_killed_rank_is_the_last_line_the_user_sees(tmp_path, start_method):
+    # A rank that reports an error exits at once (os._exit): multiprocessing's exit finalizers, which
+    # unlink the rank's semaphores, ran only on success, and the launcher's resource tracker then warned
+    # "There appear to be 1 leaked semaphore objects" after the launcher's cause, at the program's exit.
+    script = tmp_path / 'killed_peer.py'
+    script.write_text(_KILLED_PEER_PROGRAM)
+    result = run_command([sys.executable, str(script), start_method], timeout=120, cwd=str(tmp_path))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert lines[-1] == 'error: rank 1 was killed by SIGKILL before reporting an error', result.stderr[-3000:]
 
 
 @pytest.mark.parametrize('world_size', [0, -1, 1.5, True, '2'])

@@ -11,9 +11,14 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing import connection, resource_tracker
+from multiprocessing import connection, resource_tracker, util
 
+from torchbearer_dist._once import warn_once
 from torchbearer_dist.runtime import errors, interrupts
+
+#: What is lost when multiprocessing's finalizers moved (see :func:`release_multiprocessing_objects`).
+LOST = ("multiprocessing.util._run_finalizers is gone from this Python: a rank that fails exits without "
+        "unlinking its multiprocessing semaphores, and the resource tracker warns of them after launch's error")
 
 
 class RemoteTraceback(Exception):
@@ -31,6 +36,24 @@ def _collect(pipes, reports):
                 reports[rank] = pickle.loads(pipe.recv_bytes())
             except (EOFError, OSError):
                 reports[rank] = None
+
+
+def release_multiprocessing_objects():
+    """Run the finalizers that multiprocessing runs first when a process it started exits: they unlink
+    the process's named semaphores (a ``Lock``, a ``Queue``'s, tqdm's write lock) and tell the resource
+    tracker so.
+
+    For a rank that ends with ``os._exit`` after reporting its error, which skips them: the tracker,
+    shared with the launcher, would otherwise warn of a leaked semaphore when the launcher's program
+    exits, after the launcher's one-line cause. Only the finalizers with an exit priority run, not the
+    joins of child processes and threads that a normal exit also waits for and a failed rank may never
+    see end.
+    """
+    run = getattr(util, '_run_finalizers', None)  # private: the function multiprocessing's own exit calls
+    if run is None:
+        warn_once(LOST)
+        return
+    run(0)
 
 
 def stop(processes, grace):

@@ -87,6 +87,7 @@ def _child(fn, rank, world_size, host, port, backend, timeout, rendezvous_timeou
         payload = error if _picklable(error) else None
         _send(conn, ('error', _diagnosis.describe(error), traceback.format_exc(), payload))
         conn.close()
+        _supervisor.release_multiprocessing_objects()  # which os._exit skips: the semaphores this rank made
         sys.stderr.flush()
         os._exit(interrupts.EXIT_PREEMPTED if isinstance(error, interrupts.Preempted) else
                  130 if isinstance(error, KeyboardInterrupt) else 1)
