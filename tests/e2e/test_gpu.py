@@ -1,7 +1,7 @@
 """The GPU path: nccl DDP through wrap_ddp, and two gloo ranks sharing one GPU against one process at 2B.
 
 The tests marked ``gpu`` skip without CUDA (``TORCHBEARER_DIST_TEST_GPU=1`` turns that skip into a
-strict xfail, see conftest.py); those needing two GPUs skip on a one-GPU machine. The one-GPU tests
+failure, see conftest.py); those needing two GPUs skip on a one-GPU machine. The one-GPU tests
 (two gloo ranks both on ``cuda:0``: AllReduceGradients, the DDP path, SyncBatchNorm, and a CUDA
 checkpoint resumed on a CPU-only process) train where ``TORCHBEARER_DIST_TEST_DEVICE`` says,
 ``cuda`` by default. Set it to ``cpu`` to check their bodies on a machine without a GPU: they are then
@@ -14,6 +14,7 @@ Every comparison runs in float32 with TF32 off, against the reference the CPU te
 """
 import functools
 import os
+import re
 import shutil
 import sys
 
@@ -26,7 +27,7 @@ from torchbearer import Trial
 
 import torchbearer_dist
 
-from _dist import run_in_step, run_workers, scenario_values, world_of_one  # noqa: I001 (tests/ on sys.path)
+from _dist import ROOT, child_env, run_command, run_in_step, run_workers, scenario_values, world_of_one  # noqa: I001
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _folder in ('callbacks', 'sync'):  # the CPU tests' helpers, under the names pytest imports them by
@@ -322,6 +323,30 @@ def test_wrap_ddp_device_argument_is_validated_before_wrapping():
         wrapped = torchbearer_dist.wrap_ddp(nn.Linear(2, 2), device=torch.device('cpu'))
         assert wrapped.device == torch.device('cpu') and wrapped.module.weight.device.type == 'cpu'
         assert wrapped.device_ids is None
+
+
+# -- the switch: TORCHBEARER_DIST_TEST_GPU=1 (CPU; checks the harness on a machine without CUDA) -------------
+
+#: Two gpu tests, each with a skipif of its own ('needs 1 GPU', 'needs 2 GPUs') that the switch must beat.
+_GPU_TESTS = ['tests/e2e/test_gpu.py::test_one_rank_nccl_ddp_trains_in_a_trial',
+              'tests/e2e/test_gpu.py::test_two_ranks_nccl_ddp_end_with_identical_parameters']
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the switch where CUDA is missing')
+def test_the_gpu_switch_fails_the_gpu_tests_without_cuda_and_without_the_switch_they_skip():
+    command = [sys.executable, '-m', 'pytest', '-n', '0', '-p', 'no:cacheprovider', '-q', *_GPU_TESTS]
+    env = child_env(TORCHBEARER_DIST_TEST_GPU='1')
+    env.pop('TORCHBEARER_DIST_TEST_DEVICE', None)
+    asked = run_command(command, env=env, timeout=120, cwd=ROOT)
+    assert asked.returncode == 1 and '2 errors' in asked.stdout, asked.stdout[-3000:] + asked.stderr[-3000:]
+    line = ('CUDA is not available, though TORCHBEARER_DIST_TEST_GPU=1 asks for the GPU tests: run them on a machine '
+            'with a GPU, or unset TORCHBEARER_DIST_TEST_GPU')
+    for name in _GPU_TESTS:  # each fails with the one line, not a traceback
+        assert re.search(r'ERROR at setup of {} _+\n{}\n'.format(name.split('::')[1], re.escape(line)), asked.stdout), \
+            asked.stdout[-3000:]
+    env.pop('TORCHBEARER_DIST_TEST_GPU')
+    plain = run_command(command, env=env, timeout=120, cwd=ROOT)
+    assert plain.returncode == 0 and '2 skipped' in plain.stdout, plain.stdout[-3000:] + plain.stderr[-3000:]
 
 
 @_one_device
