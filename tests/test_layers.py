@@ -1,5 +1,6 @@
 """The layer rules of CONTRIBUTING.rst, read from the source with ``ast``: a reach upward, or into a private module or
-a foreign internal from where it does not belong, fails here.
+a foreign internal from where it does not belong, fails here. An import is ``import``, ``from ... import`` (relative
+ones resolved from the importing module) or ``importlib.import_module``/``__import__`` of a string literal.
 
 - each layer imports only the layers below it (``LOWER``): ``runtime/`` never ``callbacks/`` or ``sync/``,
   ``sync/`` never torchbearer, nothing inside the package imports its public root ``torchbearer_dist``;
@@ -45,21 +46,62 @@ def _layer(module):
     return parts[1] if len(parts) > 1 else None
 
 
-def _imports(tree, submodules):
-    """Every module an ``ast`` tree imports, with ``from package import module`` resolved to the module."""
+def _relative(anchor, level, name):
+    """The absolute name of ``name`` imported ``level`` dots up from package ``anchor`` (``from ..sync import x``
+    in ``torchbearer_dist.runtime``: ``torchbearer_dist.sync``), or None where ``anchor`` is unknown or too shallow."""
+    parts = anchor.split('.') if anchor else []
+    if level - 1 >= len(parts):
+        return None
+    base = parts[:len(parts) - (level - 1)]
+    return '.'.join(base + ([name] if name else []))
+
+
+def _import_module_call(node):
+    """Whether ``node`` calls ``importlib.import_module`` (under any alias) or ``__import__``."""
+    func = node.func
+    return (isinstance(func, ast.Attribute) and func.attr == 'import_module') or \
+        (isinstance(func, ast.Name) and func.id in ('import_module', '__import__'))
+
+
+def _imports(tree, submodules, module=None):
+    """Every module an ``ast`` tree imports, with ``from package import module`` resolved to the module.
+
+    Relative imports (``from . import x``, ``from ..sync import y``) are resolved against ``module``, the
+    importing module's name, and ``importlib.import_module('...')`` with a string literal counts as an import.
+    """
+    known = set(submodules) | {m.rsplit('.', i)[0] for m in submodules for i in range(1, m.count('.') + 1)}
+    # the package a relative import starts from: the module itself if it is a package, else its parent
+    anchor = module if module in known and any(m.startswith(module + '.') for m in submodules) else \
+        (module.rsplit('.', 1)[0] if module and '.' in module else None)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom):
+            source = _relative(anchor, node.level, node.module) if node.level else node.module
+            if source is None:
+                continue  # a relative import outside a known package (a script's): nothing to resolve it to
             yielded = False
             for alias in node.names:
-                name = node.module + '.' + alias.name
-                if name in submodules:
+                name = source + '.' + alias.name
+                if name in known:
                     yielded = True
                     yield node.lineno, name
             if not yielded:
-                yield node.lineno, node.module
+                yield node.lineno, source
+        elif isinstance(node, ast.Call) and _import_module_call(node) and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            name = node.args[0].value
+            if name.startswith('.'):
+                package = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == 'package'), None)
+                start = package.value if isinstance(package, ast.Constant) and isinstance(package.value, str) \
+                    else anchor
+                level = len(name) - len(name.lstrip('.'))
+                name = _relative(start, level, name[level:])
+                if name is None:
+                    continue
+            yield node.lineno, name
 
 
 def _foreign_roots(tree):
@@ -127,7 +169,7 @@ def violations(sources):
     found = []
     for module, tree in sorted(trees.items()):
         layer = _layer(module)
-        for line, imported in _imports(tree, submodules):
+        for line, imported in _imports(tree, submodules, module):
             where = '{}:{} imports {}'.format(module, line, imported)
             top = imported.split('.')[0]
             if top == 'torchbearer' and layer is not None and layer not in TORCHBEARER:
@@ -202,6 +244,21 @@ def test_nothing_outside_the_package_imports_a_private_module():
      'import _Checkpointer'),
     ('torchbearer_dist.runtime.group', 'import torch.distributed as dist\nx = dist.distributed_c10d\n',
      '.distributed_c10d'),
+    # relative imports, resolved from the importing module
+    ('torchbearer_dist.runtime.group', 'from ..sync import collectives\n', 'runtime may import only'),
+    ('torchbearer_dist.runtime.group', 'from .. import sync\n', 'runtime may import only'),
+    ('torchbearer_dist.sync.buckets', 'from .. import _torchbearer\n', 'sync may import only'),
+    ('torchbearer_dist.callbacks.stop', 'from ..checkpoint.files import save_checkpoint\n',
+     'callbacks may import only'),
+    # importlib, under any spelling, absolute or relative
+    ('torchbearer_dist.runtime.group', 'import importlib\nimportlib.import_module("torchbearer_dist.callbacks.stop")\n',
+     'runtime may import only'),
+    ('torchbearer_dist.runtime.group', 'from importlib import import_module\nimport_module("..sync.collectives", '
+     '__package__)\n', 'runtime may import only'),
+    ('torchbearer_dist.runtime.group', 'import importlib as il\nil.import_module(".collectives", '
+     'package="torchbearer_dist.sync")\n', 'runtime may import only'),
+    ('torchbearer_dist.sync.buckets', '__import__("torchbearer")\n',
+     'only callbacks/, checkpoint/ and _torchbearer.py'),
 ])
 def test_each_rule_fails_on_a_breach(module, text, expected):
     sources = {'torchbearer_dist.sync.collectives': '', 'torchbearer_dist.checkpoint.files': '',
@@ -212,3 +269,14 @@ def test_each_rule_fails_on_a_breach(module, text, expected):
     private = module.rsplit('.', 1)[0] + '._' + module.rsplit('.', 1)[1]  # the same reach, from a private module
     if 'reaches' in found[0]:
         assert violations(dict(sources, **{module: '', private: text})) == []
+
+
+def test_a_relative_import_resolves_from_the_importing_module_or_package():
+    sources = {'torchbearer_dist.runtime': 'from .group import process_group\n',  # a package: from itself
+               'torchbearer_dist.runtime.group': 'from . import env\nfrom .env import resolve\n',
+               'torchbearer_dist.runtime.env': '', 'torchbearer_dist.sync.collectives': ''}
+    assert violations(sources) == []  # within the layer
+    sources['torchbearer_dist.runtime'] = 'from ..sync import collectives\n'  # from torchbearer_dist, not above it
+    found = violations(sources)
+    assert found == ['torchbearer_dist.runtime:1 imports torchbearer_dist.sync.collectives: runtime may import '
+                     "only ['_once']"], found
