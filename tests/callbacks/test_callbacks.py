@@ -45,9 +45,9 @@ def _grads(model):
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _loader(samples, features=4, outputs=1, batch_size=4, seed=0):
-    """A fixed-order loader of this rank's own data."""
-    generator = torch.Generator().manual_seed(seed + 1000 * _rank())
+def _loader(samples, features=4, outputs=1, batch_size=4, seed=0, rank=None):
+    """A fixed-order loader of this rank's own data (of rank ``rank``'s, for a reference in one process)."""
+    generator = torch.Generator().manual_seed(seed + 1000 * (_rank() if rank is None else rank))
     x = torch.randn(samples, features, generator=generator)
     y = torch.randn(samples, outputs, generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
@@ -553,11 +553,41 @@ def test_check_replicas_names_a_parameter_changed_on_one_rank(scenarios):
     assert rank0['steps'] == rank1['steps'] == {0: 4}  # changed after step 3, found at the check after step 4
 
 
+def _reference_reuse():
+    """The reuse scenario in one process at the global batch (batch i of rank 0 and of rank 1 together, 8
+    samples): the weights each fold must end with, and those it started from (rank 0's, as broadcast)."""
+    ranks = [list(_loader(16, rank=rank)) for rank in range(2)]
+    batches = [(torch.cat([x0, x1]), torch.cat([y0, y1])) for (x0, y0), (x1, y1) in zip(*ranks)]
+    initial, trained = {}, {}
+    for fold in range(2):
+        torch.manual_seed(80 + fold)  # rank 0's seed
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+        initial[fold] = _snapshot(model)
+        # fold 1: one epoch that raises after the step of batch 2, then layer 0 frozen; each fold: two epochs
+        runs = [(1, batches[:3]), (2, batches)] if fold else [(2, batches)]
+        for number, (epochs, run) in enumerate(runs):
+            if fold and number == 1:
+                model[0].requires_grad_(False)
+            optimizer = _sgd(model)
+            for _ in range(epochs):
+                for x, y in run:
+                    optimizer.zero_grad()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    optimizer.step()
+        trained[fold] = _snapshot(model)
+    return initial, trained
+
+
 @pytest.mark.slow
 def test_callbacks_serve_several_trials_a_failed_run_and_new_frozen_layers(scenarios):
     rank0, rank1 = scenario_values(scenarios, 'reuse')
+    initial, reference = _reference_reuse()
     for fold in (0, 1):
         _assert_equal(rank0[fold], rank1[fold])
+        torch.testing.assert_close(rank0[fold], reference[fold], msg=lambda text, fold=fold: 'fold {}: {}'.format(
+            fold, text))
+        moved = {name: (reference[fold][name] - initial[fold][name]).abs().max().item() for name in initial[fold]}
+        assert min(moved.values()) > 1e-3, moved  # every tensor trained (layer 0 of fold 1 before it was frozen)
 
 
 @pytest.mark.slow
