@@ -14,6 +14,10 @@ With --checkpoint-dir DIR, rank 0 writes a checkpoint there every
 it (--no-resume starts afresh): torchrun --max-restarts 3 carries on after a
 rank is killed. SIGTERM or SIGUSR1 (a scheduler's pre-emption) stops every
 rank at the next step, with a checkpoint, and exits with status 75.
+
+With --local-steps H (for links slower than the compute), each rank trains
+H steps on its own and the ranks meet once per H steps (DiLoCo); the recipe
+(optimizer, learning rate, batch) stays the same.
 """
 import os
 
@@ -47,18 +51,25 @@ class Net(nn.Module):
         return self.out(torch.relu(self.hidden(x)))
 
 
-def sync_callbacks(ddp=False):
+def sync_callbacks(ddp=False, local_steps=None):
     """What makes the Trial data-parallel; the same list as
-    ``tbd.distributed_callbacks(flatten_images=True, ddp=ddp)``."""
+    ``tbd.distributed_callbacks(flatten_images=True, ddp=ddp,
+    local_steps=local_steps)``."""
+    if local_steps is not None:  # meet every local_steps steps
+        average = tbd.DiLoCo(local_steps=local_steps)
+    elif ddp:  # DistributedDataParallel averages; agree on stops
+        average = tbd.AgreeOnStop()
+    else:
+        average = tbd.AllReduceGradients()  # average every step
     return [
         tbd.BroadcastParameters(),  # first epoch: rank 0's weights everywhere
         tbd.SetSamplerEpoch(),  # each epoch: a new shuffle, alike on all ranks
         tbd.EvenBatches(),  # each epoch: the same number of steps everywhere
         tbd.ReduceMetrics(),  # each epoch: metrics over all ranks' samples
         tbd.RankZeroOutput(),  # rank 0 alone prints, logs and saves
-        tbd.CommunicationReport(),  # each epoch: where the time went
+        tbd.CommunicationReport(printed=True),  # each epoch: where the time went
         tbd.FlattenImages(),  # each batch: 1x28x28 images to 784 inputs
-        tbd.AgreeOnStop() if ddp else tbd.AllReduceGradients(),  # averages
+        average,
     ]
 
 
@@ -91,7 +102,8 @@ def worker(args):
     ddp = env.backend == 'nccl'
     model = tbd.wrap_ddp(Net()) if ddp else Net()
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    callbacks = [tbd.RankZeroOnly(PrintMetrics()), *sync_callbacks(ddp)]
+    callbacks = [tbd.RankZeroOnly(PrintMetrics()),
+                 *sync_callbacks(ddp, args.local_steps)]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
@@ -198,6 +210,9 @@ def build_parser():
         help="rank 0's checkpoints; resume from there (default: none)")
     add('--checkpoint-steps', type=int, default=50,
         help='steps between checkpoints, besides one each epoch')
+    add('--local-steps', type=int,
+        help='train H steps locally between meetings (DiLoCo, for slow '
+        'links; default: average the gradients at every step)')
     add('--no-resume', action='store_true',
         help='start afresh even if --checkpoint-dir holds a checkpoint')
     return parser
@@ -207,13 +222,19 @@ def parse_args(argv=None):
     """Parse and check the command line; bad input exits 2 with one line."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ('epochs', 'batch_size', 'threads', 'checkpoint_steps'):
+    for name in ('epochs', 'batch_size', 'threads', 'checkpoint_steps',
+                 'local_steps'):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error('--{} should be at least 1, but given {}'.format(
                 name.replace('_', '-'), value))
     if not args.lr > 0:
         parser.error('--lr should be positive, but given {}'.format(args.lr))
+    if args.local_steps is not None and args.backend == 'nccl':
+        parser.error('--local-steps {} does not combine with --backend nccl, '
+                     'which averages gradients at every step with '
+                     'DistributedDataParallel; drop one'.format(
+                         args.local_steps))
     if args.rank is not None and args.host is None and args.init_method is None:
         parser.error('--rank {} needs --host ADDR, the address of the machine '
                      'that runs rank 0'.format(args.rank))

@@ -122,17 +122,16 @@ class _History(Callback):
 
 def _nesterov_bn():
     history = _History()
-    model, callbacks = _trial('bn', dict(local_steps=3), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR,
-                                                                                             momentum=0.9),
-                              extra=[history])
+    model, callbacks = _trial('bn', dict(local_steps=3, **DiLoCo.PAPER),
+                              optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9), extra=[history])
     return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps,
             'comm_bytes': [entry.get('comm_bytes') for entry in history.history]}
 
 
 def _stop():
     stopper = _StopOn(rank=1, batch=1)
-    _trial('mlp', dict(local_steps=3), extra=[stopper])
-    return stopper.trained
+    model, _ = _trial('mlp', dict(local_steps=8), extra=[stopper])
+    return {'trained': stopper.trained, 'state': _snapshot(model)}
 
 
 class _SecondModel(Callback):
@@ -183,18 +182,22 @@ def _resume(directory):
     """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed."""
     torch.manual_seed(0)
     sgd = _momentum_sgd
-    whole, _ = _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True,
+    options = dict(local_steps=3, **DiLoCo.PAPER)  # the outer momentum is state a resume must restore too
+    whole, _ = _trial('bn', options, optimizer=sgd, shuffle=True,
                       checkpoint=os.path.join(directory, 'whole.pt'), extra=[_InterruptAt(None)])
     torch.manual_seed(0)
     path = os.path.join(directory, 'cut.pt')
-    _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(6)])
+    _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(6)])
     saved = torch.load(path, weights_only=True) if dist.get_rank() == 0 else None
     torch.manual_seed(1)  # the resumed run owes nothing to this process's RNG
-    resumed, _ = _trial('bn', dict(local_steps=3), optimizer=sgd, shuffle=True, checkpoint=path, resume=True,
+    resumed, _ = _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, resume=True,
                         extra=[_InterruptAt(None)])  # the same callbacks in the same places: their states restore
     diloco = None if saved is None else next(e['state'] for e in saved['callbacks'] if e['type'].endswith('.DiLoCo'))
     return {'whole': _snapshot(whole), 'resumed': _snapshot(resumed), 'position': saved and saved['position'],
-            'inner_steps': diloco and diloco['inner_steps'], 'local': diloco and len(diloco['local'] or ())}
+            'inner_steps': diloco and diloco['inner_steps'], 'local': diloco and len(diloco['local'] or ()),
+            'dtypes': diloco and sorted({str(t.dtype) for entry in diloco['local'] for t in
+                                         entry['params'] + entry['buffers'] + [
+                                             v for s in entry['optimizer']['state'].values() for v in s.values()]})}
 
 
 def _momentum_sgd(model):
@@ -245,11 +248,15 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
     per_outer_step = (4 * sum(p.numel() for p in model.parameters())  # pseudo-gradients, float32 on the wire
                       + 8 * (floating + 1)  # BatchNorm's statistics and the stop flag, as float64
                       + 8)  # num_batches_tracked, broadcast from rank 0
-    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step] * EPOCHS
+    # and each step's stop flag, one float64
+    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step + 8 * STEPS] * EPOCHS
 
 
-def test_a_stop_on_one_rank_stops_every_rank_at_the_next_outer_step(trained):
-    assert scenario_values(trained, 'stop') == [3, 3]  # asked at step 2 on rank 1; the outer step at 3 carries it
+def test_a_stop_on_one_rank_stops_every_rank_at_the_next_step_whatever_h(trained):
+    rank0, rank1 = scenario_values(trained, 'stop')
+    # asked at step 2 on rank 1; the stop flag of step 3 carries it, long before the meeting due at step 8
+    assert rank0['trained'] == rank1['trained'] == 3
+    _assert_equal(rank0['state'], rank1['state'])  # the end of the pass met: one model
 
 
 def test_a_second_model_and_optimizer_under_other_keys_are_averaged_too(trained):
@@ -268,6 +275,7 @@ def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):
     rank0, rank1 = scenario_values(trained, 'resume')
     assert rank0['position']['epoch'] == 0 and rank0['position']['batches'] == 4
     assert rank0['inner_steps'] == 1 and rank0['local'] == 2  # each rank's own weights were in the checkpoint
+    assert rank0['dtypes'] == ['torch.float32', 'torch.int64']  # gathered in their own dtypes, not float64
     for rank in (rank0, rank1):
         _assert_equal(rank['resumed'], rank['whole'])
     _assert_equal(rank0['whole'], rank1['whole'])
@@ -276,7 +284,7 @@ def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):
 @pytest.mark.parametrize('make, message', [
     (lambda: DiLoCo(local_steps=0), r'^local_steps should be an integer >= 1, but given 0$'),
     (lambda: DiLoCo(local_steps=True), r'^local_steps should be an integer >= 1, but given True$'),
-    (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16' or 'bf16' \(the dtype "
+    (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16', 'bf16' or 'int8' \(what "
                                         r"pseudo-gradients travel in\), but given 'fp8'$"),
     (lambda: distributed_callbacks(local_steps=10, compression='powersgd'),
      r"^compression='powersgd' does not combine with local steps: PowerSGD compresses every step's gradients"),
@@ -292,5 +300,6 @@ def test_impossible_combinations_are_refused_at_construction(make, message):
 def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_averaging():
     callbacks = distributed_callbacks(local_steps=20, outer_lr=0.5, compression='bf16')
     assert isinstance(callbacks[-1], DiLoCo) and callbacks[-1].local_steps == 20
-    assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.9, nesterov=True, compression='bf16')
+    assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.0, nesterov=True, compression='bf16')
+    assert DiLoCo(local_steps=20).gain == 1.0 and DiLoCo(local_steps=500, **DiLoCo.PAPER).gain == pytest.approx(7.0)
     assert not any(isinstance(c, torchbearer_dist.AllReduceGradients) for c in callbacks)

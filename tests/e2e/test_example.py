@@ -67,6 +67,22 @@ def test_one_command_run_converges(one_command):
 
 
 @pytest.mark.slow
+def test_local_steps_keep_the_recipe_and_report_the_meetings(tmp_path):
+    # DiLoCo's defaults on the example's unchanged recipe: at H=32 (two meetings an epoch) it still learns the
+    # digits, and the report, printed by the example whatever its verbosity, counts the meetings' bytes
+    result = run_command(example('--threads', '1', '--local-steps', '32', '--epochs', '2'), timeout=RUN_TIMEOUT,
+                         cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    epochs = EPOCH_LINE.findall(result.stdout)
+    assert [(int(e[0]), int(e[1])) for e in epochs] == [(1, 2), (2, 2)], result.stdout
+    assert float(epochs[-1][5]) >= 0.85, result.stdout
+    reports = re.findall(r'^communication, epoch \d/2: each rank sent ([\d.]+) kB', result.stdout, re.M)
+    # 2 meetings an epoch (steps 32 and the end, 63), each 79,510 parameters in fp32 and the buffers' float64 flag;
+    # one 8-byte stop flag a step
+    assert [float(kb) for kb in reports] == [round((2 * (79510 * 4 + 8) + 63 * 8) / 1e3, 2)] * 2, result.stdout
+
+
+@pytest.mark.slow
 def test_two_shells_match_the_one_command_run(one_command, tmp_path):
     assert one_command.returncode == 0, one_command.stderr
     port = free_port()
@@ -103,6 +119,10 @@ def _bad_input_cases():
          "error: argument --backend: invalid choice: 'foo' (choose from 'gloo', 'nccl') (see --help)"),
         (['--rank', 'one'], "error: argument --rank: invalid int value: 'one' (see --help)"),
         (['--epochs', '0'], 'error: --epochs should be at least 1, but given 0 (see --help)'),
+        (['--local-steps', '0'], 'error: --local-steps should be at least 1, but given 0 (see --help)'),
+        (['--local-steps', '8', '--backend', 'nccl'],
+         'error: --local-steps 8 does not combine with --backend nccl, which averages gradients at every step with '
+         'DistributedDataParallel; drop one (see --help)'),
     ]
 
 
@@ -190,6 +210,10 @@ def test_sync_callbacks_are_the_packaged_set():
     for ddp in (False, True):
         assert ([type(c) for c in module.sync_callbacks(ddp)]
                 == [type(c) for c in torchbearer_dist.distributed_callbacks(flatten_images=True, ddp=ddp)])
+    ours, packaged = module.sync_callbacks(local_steps=16), torchbearer_dist.distributed_callbacks(
+        flatten_images=True, local_steps=16)
+    assert [type(c) for c in ours] == [type(c) for c in packaged]
+    assert (ours[-1].local_steps, ours[-1].options) == (packaged[-1].local_steps, packaged[-1].options)
 
 
 def test_offline_data_is_real_mnist_split_the_same_every_time():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchbearer_dist.sync.diloco import OuterStep, check_options, check_parameters
+from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain
 
 from _dist import run_in_step, run_workers, scenario_values, world_of_one  # noqa: I001 (tests/ on sys.path)
 
@@ -17,8 +17,8 @@ from _dist import run_in_step, run_workers, scenario_values, world_of_one  # noq
     (dict(outer_lr='1'), r"^outer_lr should be a number >= 0, but given '1'$"),
     (dict(outer_momentum=1.0), r'^outer_momentum should be a number >= 0 and < 1, but given 1.0$'),
     (dict(nesterov=1), r'^nesterov should be True or False, but given 1$'),
-    (dict(compression='int8'), r"^compression should be None, 'fp16' or 'bf16' \(the dtype pseudo-gradients travel "
-                               r"in\), but given 'int8'$"),
+    (dict(compression='int4'), r"^compression should be None, 'fp16', 'bf16' or 'int8' \(what pseudo-gradients "
+                               r"travel in\), but given 'int4'$"),
     (dict(compression='powersgd'), r"^compression='powersgd' does not combine with local steps"),
 ])
 def test_bad_options_are_refused_in_one_line(kwargs, message):
@@ -26,6 +26,17 @@ def test_bad_options_are_refused_in_one_line(kwargs, message):
     options.update(kwargs)
     with pytest.raises(ValueError, match=message):
         check_options(**options)
+
+
+def test_the_default_outer_step_moves_the_anchor_to_the_ranks_average_and_the_paper_is_one_splat_away():
+    assert gain(1.0, 0.0) == 1.0 and gain(**{k: PAPER[k] for k in ('outer_lr', 'outer_momentum')}) == \
+        pytest.approx(7.0)
+    with world_of_one():
+        outer = OuterStep(list(nn.Linear(3, 2).parameters()))
+        assert outer.outer.defaults['lr'] == 1.0 and outer.outer.defaults['momentum'] == 0.0
+        paper = OuterStep(list(nn.Linear(3, 2).parameters()), **PAPER)
+        assert (paper.outer.defaults['lr'], paper.outer.defaults['momentum'], paper.outer.defaults['nesterov']) == \
+            (0.7, 0.9, True)
 
 
 def test_an_integer_parameter_is_refused_by_name():
@@ -77,7 +88,7 @@ def _worker_steps():
     import torch.distributed as dist
     rank = dist.get_rank()
     scenarios = [('{}_{}'.format(c, m), (lambda c=c, m=m: _scenario_step(c, m, rank)))
-                 for c in (None, 'fp16', 'bf16') for m in (0.0, 0.9)]
+                 for c in (None, 'fp16', 'bf16', 'int8') for m in (0.0, 0.9)]
     return run_in_step(scenarios)
 
 
@@ -96,14 +107,16 @@ def _expected_first_step(momentum, anchor):
     return [p.detach() for p in params]
 
 
-@pytest.mark.parametrize('compression', [None, 'fp16', 'bf16'])
+@pytest.mark.parametrize('compression', [None, 'fp16', 'bf16', 'int8'])
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
 def test_every_rank_holds_the_same_weights_bit_for_bit_the_outer_step_of_the_mean(steps, compression, momentum):
     rank0, rank1 = scenario_values(steps, '{}_{}'.format(compression, momentum))
     for name in rank0['state']:
         assert torch.equal(rank0['state'][name], rank1['state'][name]), name
     expected = _expected_first_step(momentum, rank0['anchor'])
-    tolerance = {None: 1e-7, 'fp16': 1e-4, 'bf16': 2e-3}[compression]
+    # int8: half a step in (the largest pseudo-gradient, 0.08, over 254) and out (the largest mean, 0.06), times
+    # the outer step's 0.5 x (1 + 0.9) of Nesterov's first step
+    tolerance = {None: 1e-7, 'fp16': 1e-4, 'bf16': 2e-3, 'int8': 0.5 * 1.9 * (0.08 + 0.06) / 254}[compression]
     for got, want in zip(rank0['second'], expected):
         torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
     assert rank0['stop'] is True and rank1['stop'] is True  # rank 1 asked; every rank hears it
@@ -116,12 +129,12 @@ def test_every_rank_holds_the_same_weights_bit_for_bit_the_outer_step_of_the_mea
 def test_state_dict_round_trip_restores_the_anchor_and_the_momentum():
     with world_of_one():
         model = nn.Linear(3, 2)
-        outer = OuterStep(list(model.parameters()))
+        outer = OuterStep(list(model.parameters()), **PAPER)
         with torch.no_grad():
             model.weight.add_(0.1)
         outer.step()
         saved = outer.state_dict()
-        other = OuterStep(list(nn.Linear(3, 2).parameters()))
+        other = OuterStep(list(nn.Linear(3, 2).parameters()), **PAPER)
         other.load_state_dict(saved)
         for a, b in zip(other.anchor, outer.anchor):
             assert torch.equal(a, b)

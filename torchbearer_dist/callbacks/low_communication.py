@@ -1,5 +1,5 @@
 """Low-communication training in a Trial: :class:`DiLoCo`, a thin callback over :mod:`torchbearer_dist.sync.diloco`."""
-import copy
+import time
 import warnings
 import weakref
 
@@ -12,32 +12,14 @@ from torchbearer import Callback
 from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks.stop import AgreeOnStop
 from torchbearer_dist.sync import collectives, models
-from torchbearer_dist.sync.diloco import OuterStep, check_options, check_parameters
-
-
-def _tensor_leaves(optimizer_state):
-    """The tensors of an optimizer's ``state_dict()['state']``, in a fixed order (parameter index, then name)."""
-    leaves = []
-    for index in sorted(optimizer_state['state']):
-        entry = optimizer_state['state'][index]
-        leaves.extend(entry[name] for name in sorted(entry) if isinstance(entry[name], torch.Tensor))
-    return leaves
-
-
-def _with_leaves(optimizer_state, tensors):
-    """A copy of ``optimizer_state`` whose tensors, in :func:`_tensor_leaves`' order, are ``tensors``."""
-    tensors = iter(tensors)
-    state = {index: {name: next(tensors) if isinstance(value, torch.Tensor) else value
-                     for name, value in sorted(entry.items())}
-             for index, entry in sorted(optimizer_state['state'].items())}
-    return {'state': state, 'param_groups': copy.deepcopy(optimizer_state['param_groups'])}
+from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain, gather_local
 
 
 class _StopCarrier:
-    """What :class:`AgreeOnStop` asks of gradient buckets: a stop request travels with the next outer step."""
+    """What :class:`AgreeOnStop` asks of gradient buckets: a stop request travels in the next step's stop flag."""
 
     def __init__(self):
-        self.synced = False  # an outer step ran in this training step
+        self.synced = False  # the stop flag was agreed in this training step
         self.stop = False  # and some rank asked to stop in it
         self.requested = False
 
@@ -51,9 +33,20 @@ class DiLoCo(Callback):
     DiLoCo (Douillard et al., 2023) for links slower than the compute: each rank steps its own
     optimizer on its own batches for ``local_steps`` steps with no communication; then every rank
     sends the *pseudo-gradient* (the anchor, the weights all ranks held after the last outer step,
-    minus its local weights) once, the average steps an outer optimizer (SGD with Nesterov momentum)
-    on the anchor, and every rank continues from the new anchor. One message per ``local_steps``
-    steps instead of one per step.
+    minus its local weights) once, the average steps an outer optimizer (SGD) on the anchor, and
+    every rank continues from the new anchor. One message per ``local_steps`` steps instead of one
+    per step.
+
+    **The outer optimizer's gain.** SGD with learning rate ``lr`` and momentum ``m`` moves the anchor
+    ``lr / (1 - m)`` times the ranks' averaged progress once the momentum has built up. The defaults,
+    ``outer_lr=1`` without momentum, have gain 1: the anchor becomes the average of the ranks'
+    weights, so the optimizer and learning rate tuned for synchronous training keep their meaning,
+    and the example's recipe keeps its synchronous accuracy from ``local_steps=8`` to 64. The paper's
+    settings (``outer_lr=0.7``, Nesterov momentum 0.9: ``DiLoCo.PAPER``, ``DiLoCo(local_steps=500,
+    **DiLoCo.PAPER)``) have gain 7: they suit an inner optimizer tuned for them (the paper's AdamW
+    at a small learning rate) and hundreds of local steps; on an inner SGD tuned for synchronous
+    training they overshoot (the example's MLP loses 5 to 8 points, a CNN can diverge). Raise the
+    gain only with an inner learning rate lowered to match.
 
     **What it is.** Not one process at N x B: between outer steps each rank follows its own
     gradients. What is averaged at each outer step: the pseudo-gradients of every parameter the
@@ -68,7 +61,9 @@ class DiLoCo(Callback):
     ``state[OPTIMIZER]`` steps, before any ``on_step_training`` callback, and once more at the end of
     each training pass for the steps since the last one, so that validation, checkpoints at the epoch
     end and predictions see one model. A stop requested by any rank (TerminateOnNaN, EarlyStopping,
-    a pre-emption) travels with the next outer step, and every rank stops there.
+    a pre-emption) travels in the next step's stop flag, one value all-reduced while that step
+    computes, and every rank stops after that step, at any ``local_steps``; the end of the pass then
+    meets, so the stopped model is one model.
 
     A step checkpoint (:class:`~torchbearer_dist.Checkpoint`) holds the anchor, the outer optimizer's
     state and, between two outer steps, every rank's local weights and inner optimizer state
@@ -84,11 +79,13 @@ class DiLoCo(Callback):
 
     Args:
         local_steps (int): H, the optimizer steps each rank takes between two outer steps
-        outer_lr (float): the outer optimizer's learning rate (the paper's 0.7)
-        outer_momentum (float): the outer optimizer's momentum (the paper's 0.9; 0 for none)
-        nesterov (bool): Nesterov momentum in the outer optimizer
-        compression (str): the dtype pseudo-gradients travel in: None (the parameters' own, fp32),
-            ``'bf16'`` or ``'fp16'`` (half the bytes); the anchor and the outer step stay in full precision
+        outer_lr (float): the outer optimizer's learning rate (1: the ranks' average; the paper's 0.7)
+        outer_momentum (float): the outer optimizer's momentum (0: none; the paper's 0.9)
+        nesterov (bool): Nesterov momentum in the outer optimizer (with ``outer_momentum`` > 0)
+        compression (str): what pseudo-gradients travel in: None (the parameters' own dtype, fp32),
+            ``'bf16'`` or ``'fp16'`` (half the bytes) or ``'int8'`` (about a quarter: one byte a value and a
+            scale per 128), added in fp32 (:mod:`torchbearer_dist.sync.wire`); the anchor and the outer
+            step stay in full precision
         check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
 
     Raises:
@@ -106,7 +103,10 @@ class DiLoCo(Callback):
         rank must run the same number of steps (see :class:`EvenBatches`).
     """
 
-    def __init__(self, local_steps=50, outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression=None,
+    #: The DiLoCo paper's outer optimizer, for ``DiLoCo(local_steps=H, **DiLoCo.PAPER)``: gain 7 (see above).
+    PAPER = PAPER
+
+    def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression=None,
                  check_divergence=True):
         super().__init__()
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
@@ -117,6 +117,7 @@ class DiLoCo(Callback):
         self.local_steps = local_steps
         self.options = dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                             compression=compression)
+        self.gain = gain(outer_lr, outer_momentum)
         self.check_divergence = check_divergence
         self.engine = None
         self._retired = (0, 0.0, 0.0)  # traffic() of the engines replaced so far
@@ -127,6 +128,7 @@ class DiLoCo(Callback):
         self._fresh = False  # the first training pass of a run
         self._armed = False
         self._state = None
+        self._flag = None  # (tensor, work) of the stop flag in flight
         self.buckets = _StopCarrier()
         # The stop agreement is held, not inherited: its companion calls _after_step after every other callback.
         self._agreement = AgreeOnStop()
@@ -205,6 +207,22 @@ class DiLoCo(Callback):
         self.buckets.synced = self.buckets.stop = False
         self._gathered = None
         self._armed = self.engine is not None
+        if self._armed:  # the stop flag of this step: in flight while the step computes, read after it
+            requested, self.buckets.requested = self.buckets.requested, False
+            flag = torch.tensor([1.0 if requested else 0.0], dtype=torch.float64,
+                                device=collectives.comm_device(torch.device('cpu')))
+            self._flag = (flag, dist.all_reduce(flag, async_op=True))
+            self.engine.bytes_sent += flag.element_size()
+
+    def _read_flag(self):
+        if self._flag is not None:
+            flag, work = self._flag
+            self._flag = None
+            began = time.perf_counter()
+            work.wait()
+            self.engine.comm_seconds += time.perf_counter() - began
+            if flag.item() > 0:
+                self.buckets.synced = self.buckets.stop = True
 
     def _after_inner_step(self, optimizer, args, kwargs):
         if not self._armed:  # a step outside the Trial's training steps stays local
@@ -215,17 +233,17 @@ class DiLoCo(Callback):
             self._outer_step(self._state())
 
     def _outer_step(self, state):
-        requested, self.buckets.requested = self.buckets.requested, False
-        self.buckets.stop = self.engine.step(stop=requested)
-        self.buckets.synced = True
+        self.engine.step()
         self.inner_steps = 0
         self._check_divergence(state)
 
     def _after_step(self, state):
         """Called by the stop agreement's companion after every other callback of the step."""
+        self._read_flag()
 
     def on_end_training(self, state):
         self._armed = False
+        self._read_flag()  # a step that ended early
         if self.engine is not None and self.inner_steps > 0:
             self._outer_step(state)
 
@@ -259,33 +277,8 @@ class DiLoCo(Callback):
         .. warning:: A synchronization point: every rank must call it at the same step.
         """
         self._gathered = None
-        if self.engine is None or self.inner_steps == 0 or collectives.world_size() == 1:
-            return
-        optimizer = copy.deepcopy(state[torchbearer.OPTIMIZER].state_dict())
-        leaves = list(self.engine.params) + list(self.engine.buffers) + _tensor_leaves(optimizer)
-        device = collectives.comm_device(leaves[0].device if leaves else torch.device('cpu'))  # gloo: CPU only
-        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in leaves]) if leaves else \
-            torch.zeros(0, dtype=torch.float64, device=device)  # float64 holds every float32, half, int32 exactly
-        size = torch.tensor([flat.numel(), -flat.numel()], dtype=torch.int64, device=device)
-        dist.all_reduce(size, op=dist.ReduceOp.MAX)
-        if size[0] != -size[1]:
-            raise RuntimeError('the inner optimizer holds state of different sizes on different ranks ({} to {} '
-                               'values), so a step checkpoint cannot hold it; give every parameter a gradient on '
-                               'every rank'.format(-int(size[1]), int(size[0])))
-        everyone = [torch.empty_like(flat) for _ in range(collectives.world_size())] if collectives.rank() == 0 \
-            else None
-        dist.gather(flat, everyone, dst=0)  # one fixed-shape gather: no pickling
-        if everyone is None:
-            return
-        self._gathered = []
-        for values in everyone:
-            tensors, offset = [], 0
-            for t in leaves:
-                tensors.append(values[offset:offset + t.numel()].to(t.device, t.dtype).view_as(t).clone())
-                offset += t.numel()
-            n, m = len(self.engine.params), len(self.engine.buffers)
-            self._gathered.append({'params': tensors[:n], 'buffers': tensors[n:n + m],
-                                   'optimizer': _with_leaves(optimizer, tensors[n + m:])})
+        if self.engine is not None and self.inner_steps > 0 and collectives.world_size() > 1:
+            self._gathered = gather_local(self.engine, state[torchbearer.OPTIMIZER])
 
     def state_dict(self):
         if self.engine is None:

@@ -1,0 +1,125 @@
+"""A mean over ranks that travels in fewer bits and adds in fp32: reduce-scatter by all-to-all, then all-gather.
+
+An all-reduce in a half type adds in that type: every partial sum is rounded to 8 (bf16) or 11
+(fp16) bits of mantissa, and an 8-bit integer cannot be summed at all. :func:`mean` splits the vector
+into one chunk per rank instead. Each rank sends chunk ``j``, encoded, to rank ``j``
+(``all_to_all_single``); rank ``j`` decodes the chunks it received, adds them in fp32 and divides by
+the number of ranks, encodes its averaged chunk once and every rank gathers every averaged chunk
+(``all_gather``). Each value is rounded twice, once on the way in and once on the way out, whatever
+the number of ranks; the sums themselves are exact fp32 sums. Every rank decodes the same gathered
+bytes, so every rank ends with the same values, bit for bit.
+
+Over a ring this moves what a ring all-reduce of the encoded vector moves: ``2 (N - 1) / N`` times
+its bytes over each rank's link. The encodings:
+
+- ``'fp16'``, ``'bf16'``: the half type, 2 bytes a value.
+- ``'int8'``: blocks of :data:`BLOCK` values, each an fp32 scale (the block's largest magnitude over
+  127) and one signed byte a value rounded to the nearest step: 1.03 bytes a value, an error of at
+  most half a step, 1/254 of the block's largest magnitude.
+
+Only torch.distributed's public collectives are used; gloo supports both on CPU for every dtype here.
+"""
+import torch
+import torch.distributed as dist
+
+#: Values that share one scale in the ``'int8'`` encoding.
+BLOCK = 128
+#: The encodings :func:`mean` accepts, with the dtype each value travels in.
+ENCODINGS = {'fp16': torch.float16, 'bf16': torch.bfloat16, 'int8': torch.int8}
+
+
+def quantize(values):
+    """Encode fp32 ``values`` (a length divisible by :data:`BLOCK`) as int8 steps and one fp32 scale per block.
+
+    Args:
+        values (torch.Tensor): 1-D float32, ``len(values) % BLOCK == 0``
+
+    Returns:
+        tuple: ``(steps, scales)``: int8 values and float32 scales, ``values ~ steps * scales`` block by block
+    """
+    blocks = values.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: steps 0, scale 0
+    steps = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return steps.view(-1), scales
+
+
+def dequantize(steps, scales):
+    """The fp32 values :func:`quantize` encoded (within half a step of each).
+
+    Args:
+        steps (torch.Tensor): int8, a length divisible by :data:`BLOCK`
+        scales (torch.Tensor): float32, one per block
+
+    Returns:
+        torch.Tensor: 1-D float32
+    """
+    return (steps.view(-1, BLOCK).to(torch.float32) * scales[:, None]).view(-1)
+
+
+def _encode(values, encoding):
+    if encoding == 'int8':
+        return list(quantize(values))
+    return [values.to(ENCODINGS[encoding])]
+
+
+def _decode(parts, encoding):
+    if encoding == 'int8':
+        return dequantize(*parts)
+    return parts[0].to(torch.float32)
+
+
+def padded_length(numel, world_size, encoding):
+    """The length :func:`mean` pads a vector of ``numel`` values to: a chunk per rank, whole blocks in each."""
+    unit = world_size * (BLOCK if encoding == 'int8' else 1)
+    return -(-numel // unit) * unit
+
+
+def wire_bytes(numel, world_size, encoding):
+    """The bytes of the encoded (padded) vector: what an all-reduce of the same wire would be handed."""
+    length = padded_length(numel, world_size, encoding)
+    if encoding == 'int8':
+        return length + 4 * (length // BLOCK)
+    return length * torch.empty((), dtype=ENCODINGS[encoding]).element_size()
+
+
+def mean(values, encoding, group=None):
+    """The mean of ``values`` over every rank, sent in ``encoding``, added in fp32; the same bits on every rank.
+
+    Example:
+
+        .. code-block:: python
+
+            averaged = wire.mean(pseudo_gradient.float(), 'int8')   # 1.03 bytes a value on the wire
+
+    Args:
+        values (torch.Tensor): 1-D floating, this rank's values, the same length on every rank
+        encoding (str): ``'fp16'``, ``'bf16'`` or ``'int8'``
+        group (ProcessGroup): the group; the default one if None
+
+    Returns:
+        torch.Tensor: 1-D float32 of ``len(values)``, the mean over ranks
+
+    .. warning:: A synchronization point: every rank must call it, with the same length and encoding.
+    """
+    world = dist.get_world_size(group)
+    length = padded_length(values.numel(), world, encoding)
+    padded = torch.zeros(length, dtype=torch.float32, device=values.device)
+    padded[:values.numel()] = values
+    sent = _encode(padded, encoding)
+    received = [torch.empty_like(part) for part in sent]
+    for out, part in zip(received, sent):  # rank j receives every rank's chunk j, in rank order
+        dist.all_to_all_single(out, part, group=group)
+    chunk = length // world
+    mine = _decode(received, encoding).view(world, chunk)
+    total = mine[0].clone()
+    for r in range(1, world):  # fp32 sums, in rank order
+        total += mine[r]
+    total /= world
+    averaged = _encode(total, encoding)
+    gathered = []
+    for part in averaged:
+        pieces = [torch.empty_like(part) for _ in range(world)]
+        dist.all_gather(pieces, part, group=group)
+        gathered.append(torch.cat(pieces))
+    return _decode(gathered, encoding)[:values.numel()]
