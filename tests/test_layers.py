@@ -207,6 +207,38 @@ def test_the_package_keeps_its_layers():
     assert violations(sources) == []
 
 
+def circles(sources):
+    """The import circles among the modules of ``sources`` (imports inside functions included): sorted module lists.
+
+    A package's ``__init__`` imported by its own submodules does not count: Python runs it first anyway.
+    """
+    trees = {module: ast.parse(text) for module, text in sources.items()}
+    graph = {module: {imported for _, imported in _imports(tree, set(trees), module)
+                      if imported in trees and imported != module and not module.startswith(imported + '.')}
+             for module, tree in trees.items()}
+
+    def reach(module):
+        seen, todo = set(), list(graph[module])
+        while todo:
+            nxt = todo.pop()
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.extend(graph[nxt])
+        return seen
+
+    reached = {module: reach(module) for module in graph}
+    return sorted({tuple(sorted(m for m in reached[module] if module in reached[m]))
+                   for module in graph if module in reached[module]})
+
+
+def test_no_import_circle():
+    assert circles(_package_sources(ROOT)) == []
+    breach = {'torchbearer_dist.callbacks.stop': 'from torchbearer_dist.callbacks.gradients import A\n',
+              'torchbearer_dist.callbacks.gradients': 'def f():\n    from . import stop\n',  # lazy, relative
+              'torchbearer_dist.callbacks': 'from torchbearer_dist.callbacks.stop import A\n'}
+    assert circles(breach) == [('torchbearer_dist.callbacks.gradients', 'torchbearer_dist.callbacks.stop')]
+
+
 def test_nothing_outside_the_package_imports_a_private_module():
     found = []
     for top in ('examples', 'benchmarks', 'docs'):

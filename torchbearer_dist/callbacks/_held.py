@@ -8,6 +8,7 @@ the package can find, it synchronises, whatever key holds it. The order is the s
 """
 import torch
 import torchbearer
+from torch.nn.parallel import DistributedDataParallel
 
 
 def _label(key):
@@ -181,3 +182,9 @@ def synchronised(state):
             seen.add(id(p))
             entries.append((name, p))
     return entries
+
+
+def ddp_parameters(state):
+    """ids of the parameters that a DistributedDataParallel model in the state averages itself."""
+    return {id(p) for _, module in held_modules(state) if isinstance(module, DistributedDataParallel)
+            for p in module.parameters()}

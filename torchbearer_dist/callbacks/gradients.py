@@ -1,77 +1,25 @@
 """Gradient averaging in a Trial: :class:`AllReduceGradients`, a thin callback over the bucket engine.
 
-The engine, :mod:`torchbearer_dist.sync.buckets`, needs no torchbearer.
+The engine, :mod:`torchbearer_dist.sync.buckets`, needs no torchbearer. Two parts of the callback live
+beside it: following a trainable set that changes (``_trainable_set.py``) and the checks of each step,
+the divergence sentinel among them (``_step_checks.py``).
 """
 import warnings
 import weakref
 
-import torch
-import torchbearer
 from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
 from torchbearer_dist.callbacks import _held
-from torchbearer_dist.callbacks.stop import AgreeOnStop
+from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
+from torchbearer_dist.callbacks._step_checks import SKIPPED_STEPS, StepChecks
+from torchbearer_dist.callbacks._stop_agreement import StopAgreement
+from torchbearer_dist.callbacks._trainable_set import FollowTrainableSet, SignalBuckets
 from torchbearer_dist.sync import collectives, models
-from torchbearer_dist.sync.buckets import GradientBuckets
 from torchbearer_dist.sync.flat_buckets import check_options, check_supported
 
-#: What a rebuild carries from the old buckets to the new ones: the communication counters, where kept.
-_COUNTERS = ('bytes_sent', 'wait_seconds', 'comm_seconds')
 
-#: State key: how many steps were skipped because the averaged gradients were not finite.
-SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
-
-
-def loss_is_summed(state, loss_reduction):
-    """Whether the Trial's loss is a sum over the batch: ``loss_reduction``, or for ``'auto'`` the criterion's own.
-
-    ``'auto'`` recognises a torch loss module with ``reduction='sum'``; a loss function it cannot
-    inspect counts as a mean, as one process at N x B averages over its batch.
-    """
-    if loss_reduction != 'auto':
-        return loss_reduction == 'sum'
-    criterion = state.get(torchbearer.CRITERION)
-    return isinstance(criterion, torch.nn.Module) and getattr(criterion, 'reduction', None) == 'sum'
-
-
-def _ddp_parameters(state):
-    """ids of the parameters that a DistributedDataParallel model in the state averages itself."""
-    return {id(p) for _, module in _held.held_modules(state) if isinstance(module, DistributedDataParallel)
-            for p in module.parameters()}
-
-
-def _ranks(ranks):
-    return '{} {}'.format('rank' if len(ranks) == 1 else 'ranks', ', '.join(str(r) for r in ranks))
-
-
-class _Buckets(GradientBuckets):
-    """The bucket engine, telling its owner when the average of a synchronising backward is complete.
-
-    The owner's trainable-set signal rides in the last bucket's signal slot; after :meth:`reduce` the
-    slot holds its sum over ranks, identical everywhere, so every rank decides alike.
-    """
-
-    def __init__(self, params, owner, **options):
-        super().__init__(params, **options)
-        self._owner = owner  # weak reference to the AllReduceGradients
-
-    def reduce(self):
-        owner = self._owner()
-        if owner is not None:
-            owner._signal(self)  # non-overlapped buckets leave now: a change sensed since the forward pass counts
-        super().reduce()
-        if owner is not None:
-            owner._reduced(self)
-
-
-def check_loss_reduction(loss_reduction):
-    """Raise ValueError, naming the value, unless ``loss_reduction`` is 'auto', 'mean' or 'sum'."""
-    if loss_reduction not in ('auto', 'mean', 'sum'):
-        raise ValueError("loss_reduction should be 'auto', 'mean' or 'sum', but given {!r}".format(loss_reduction))
-
-
-class AllReduceGradients(Callback):
+class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
     """Average every gradient over all ranks, complete when backward returns.
 
     Gradients are fused into flat buckets (see :class:`~torchbearer_dist.sync.buckets.GradientBuckets`)
@@ -210,17 +158,15 @@ class AllReduceGradients(Callback):
         self._change = False  # this rank's trainable set differs from self._trainable: awaiting every rank's word
         self._in_step = False
         self._pre_hooks = []  # forward pre-hooks on every held module: a change made before the forward counts
-        # The stop agreement is held, not inherited: its companion calls _after_step after every other callback.
-        self._agreement = AgreeOnStop()
-        self._agreement.gradients = weakref.proxy(self)
-        self._agreement._owned = True
+        # The stop agreement is held, not inherited: this callback carries its stop requests (a StopCarrier).
+        self._agreement = StopAgreement(self, carrier=self)
 
     @classmethod
     def _beside_ddp(cls, agreement):
-        """The AllReduceGradients that ``agreement`` (an AgreeOnStop on a DDP model) runs for everything else."""
+        """The AllReduceGradients that ``agreement`` (AgreeOnStop's, on a DDP model) runs for everything else."""
         self = cls()
         self._agreement = agreement
-        agreement.gradients = weakref.proxy(self)
+        agreement.carrier = weakref.proxy(self)
         self._quiet_ddp = True
         return self
 
@@ -228,7 +174,7 @@ class AllReduceGradients(Callback):
         self._steps = 0
         if collectives.world_size() == 1:
             return
-        self._ddp = bool(_ddp_parameters(state))
+        self._ddp = bool(_held.ddp_parameters(state))
         if self._ddp and not self._quiet_ddp and not self._warned_ddp:
             self._warned_ddp = True
             warnings.warn('the model is already DistributedDataParallel, which averages gradients itself: '
@@ -239,11 +185,11 @@ class AllReduceGradients(Callback):
 
     def _wanted(self, state):
         """``(name, parameter)`` of what the buckets average: the trainable set, less what a DDP model averages."""
-        ddp = _ddp_parameters(state)
+        ddp = _held.ddp_parameters(state)
         return [(name, p) for name, p in _held.trainable(state) if id(p) not in ddp]
 
     def _build(self, params):
-        return _Buckets(params, weakref.ref(self), **dict(self.options, average=not self._summed))
+        return SignalBuckets(params, weakref.ref(self), **dict(self.options, average=not self._summed))
 
     def _release(self):
         """Remove every hook of this callback: the buckets' and the forward pre-hooks."""
@@ -255,7 +201,7 @@ class AllReduceGradients(Callback):
         self._in_step = False
 
     def on_start_training(self, state):
-        self._agreement._open_run(state)
+        self._agreement.open_run(state)
         self._release()  # hooks of an earlier Trial or run, whatever way it ended
         if collectives.world_size() == 1:
             self.buckets = None
@@ -276,12 +222,6 @@ class AllReduceGradients(Callback):
             self._owner = weakref.ref(state)
             weakref.finalize(state, self._expire, weakref.ref(self))
 
-    def _follow_from(self, state):
-        """Take the state's trainable set as the one the buckets follow from now on."""
-        self._trainable = {id(p) for _, p in _held.trainable(state)}
-        self._watch = _held.TrainableWatch(state)
-        self._change = False
-
     @staticmethod
     def _expire(ref):
         self = ref()
@@ -289,7 +229,7 @@ class AllReduceGradients(Callback):
             self._release()
 
     def on_end(self, state):
-        self._agreement._close_run(state)
+        self._agreement.close_run(state)
         # Only the end of the run that attached them: an evaluate() nested in a run leaves them alone.
         if self._owner is not None and self._owner() is state:
             self._release()
@@ -302,122 +242,6 @@ class AllReduceGradients(Callback):
             self.buckets.arm()
         self._sense(state)
         self._signal(self.buckets)
-
-    def _on_forward(self, module, inputs):
-        if self._in_step:
-            state = self._owner() if self._owner is not None else None
-            if state is not None:
-                self._sense(state)
-                self._signal(self.buckets)
-
-    def _sense(self, state):
-        """Whether this rank's trainable set now differs from the one the buckets follow (cheap when nothing moved)."""
-        if not self._change and self._watch is not None and self._watch.changed():
-            if {id(p) for _, p in _held.trainable(state)} != self._trainable:
-                self._change = True
-            else:  # something moved without changing what is averaged (a frozen parameter no optimizer holds)
-                self._watch = _held.TrainableWatch(state)
-        return self._change
-
-    def _signal(self, buckets):
-        """Write this rank's word into the last bucket's signal slot, unless that bucket is already on its way."""
-        if buckets is not None and buckets.buckets and not buckets.buckets[-1].sent:
-            buckets.buckets[-1].signal.fill_(1.0 if self._change else 0.0)
-
-    def _reduced(self, buckets):
-        """After each synchronising backward: if any rank's trainable set changed, follow it on every rank."""
-        if buckets.buckets:
-            changed = buckets.buckets[-1].signal.item() > 0  # the sum over ranks, the same everywhere
-        else:  # PowerSGD holds no bucket to ride in: a word of its own
-            changed = collectives.any_rank(self._change)
-        if changed:
-            self._follow(self._owner(), during_backward=True)
-        self._signal(self.buckets)
-
-    def _follow(self, state, during_backward):
-        """Every rank learnt that some rank's trainable set changed: agree on it, and average it from now on.
-
-        Called on every rank at the same point (the decision came with the gradients or the stop
-        agreement). If the ranks' sets differ, or a change is inside a DDP model (whose reducer
-        cannot follow it), every rank raises the same error. ``during_backward``: this step's
-        gradients of newly trainable parameters are averaged now, before backward returns.
-        """
-        named = _held.parameters(state)
-        trainable = _held.trainable(state)
-        now = {id(p) for _, p in trainable}
-        self._agree(state, named, [1 if id(p) in now else 0 for _, p in named])
-        changed = [(name, p) for name, p in named if (id(p) in now) != (id(p) in self._trainable)]
-        ddp = _ddp_parameters(state)
-        inside = [(name, p) for name, p in changed if id(p) in ddp]
-        if inside:
-            name, p = inside[0]
-            raise RuntimeError("'{}' became {} inside the DistributedDataParallel model at epoch {}, batch {}: DDP "
-                               "averages only the parameters that were trainable when it was wrapped, so the replicas "
-                               "would drift; set requires_grad before wrap_ddp (wrap the model again after a change), "
-                               "or keep that part outside DDP".format(
-                                   name, 'trainable' if id(p) in now else 'frozen', state.get(torchbearer.EPOCH),
-                                   state.get(torchbearer.BATCH)))
-        wanted = [(name, p) for name, p in trainable if id(p) not in ddp]
-        check_supported(wanted)  # the same set on every rank: every rank raises alike
-        old = self.buckets
-        held = set() if old is None else {id(p) for p in old.params}
-        added = [p for _, p in wanted if id(p) not in held]
-        nonfinite = False
-        if during_backward and added and old is not None and old.synced:
-            # This step's gradients of the newly trainable parameters: averaged now, as one process at N x B has them.
-            extra = GradientBuckets(added, bucket_cap_mb=self.options['bucket_cap_mb'],
-                                    first_bucket_mb=self.options['first_bucket_mb'],
-                                    compression=None if self.options['compression'] == 'powersgd' else
-                                    self.options['compression'], overlap=False, average=not self._summed)
-            extra.reduce()
-            nonfinite = extra.nonfinite
-        new = self._build([p for _, p in wanted]) if wanted else None
-        if old is not None:
-            old.detach()
-        if new is not None:
-            modules = [m for _, m in _held.held_modules(state) if not isinstance(m, DistributedDataParallel)]
-            new.attach(modules)
-            if self._in_step:
-                new.arm()
-            if old is not None:  # the step goes on with the new buckets: what it learnt so far goes with it
-                new.backwards, new.began, new.synced, new.stop = old.backwards, old.began, old.synced, old.stop
-                new.nonfinite = old.nonfinite
-                for counter in _COUNTERS:
-                    if hasattr(old, counter):
-                        setattr(new, counter, getattr(old, counter))
-            if nonfinite:
-                new.nonfinite = True
-                for p in new.params:
-                    p.grad = None
-        self.buckets = new
-        self._follow_from(state)
-
-    def _agree(self, state, named, codes):
-        """Raise on every rank, naming the first parameter whose trainability differs across ranks, if any does."""
-        device = collectives.comm_device(named[0][1].device if named else torch.device('cpu'))
-        digest = collectives._hash(''.join(str(c) for c in codes))
-        (count_max, hash_max), (count_min, hash_min) = collectives._max_and_min([len(codes), digest], device)
-        if count_max != count_min:
-            raise RuntimeError('the ranks hold different numbers of parameters ({} to {}) at epoch {}, batch {}; every '
-                               'rank must hold the same models and optimizers'.format(
-                                   count_min, count_max, state.get(torchbearer.EPOCH), state.get(torchbearer.BATCH)))
-        if hash_max == hash_min:
-            return
-        high, low = collectives._max_and_min(codes, device)
-        first = next(i for i in range(len(codes)) if high[i] != low[i])
-        size, rank = collectives.world_size(), collectives.rank()
-        votes = torch.zeros(size, dtype=torch.int64, device=device)
-        votes[rank] = codes[first]
-        torch.distributed.all_reduce(votes)
-        votes = votes.tolist()
-        name, p = named[first]
-        raise RuntimeError("the trainable parameters differ across ranks at epoch {}, batch {}: '{}' is trainable "
-                           "on {} and not on {} (it was {} on every rank before); change requires_grad and the "
-                           "optimizers' param groups alike on every rank, from a callback that every rank runs".format(
-                               state.get(torchbearer.EPOCH), state.get(torchbearer.BATCH), name,
-                               _ranks([r for r in range(size) if votes[r]]),
-                               _ranks([r for r in range(size) if not votes[r]]),
-                               'trainable' if id(p) in self._trainable else 'not trainable'))
 
     def on_end_training(self, state):
         self._in_step = False
@@ -432,6 +256,8 @@ class AllReduceGradients(Callback):
             self.buckets.end_backward()
             self._check_step(state)
 
+    # --- the stop carrier (callbacks/stop.py): a stop request rides in the last bucket's stop flag ----------
+
     def _after_step(self, state):
         """Called by the stop agreement's companion after every other callback of the step."""
         if self.buckets is not None:
@@ -443,41 +269,11 @@ class AllReduceGradients(Callback):
         if self._steps == 1:
             self._check_divergence(state, buffers=False)
 
-    def _change_word(self, state):
-        """This rank's word on its trainable set, for a stop agreement that travels without buckets."""
-        return self._sense(state) if self.buckets is None and self._watch is not None else False
-
-    def _check_divergence(self, state, buffers):
-        """The divergence sentinel: every rank raises, naming the tensor and the step, if the replicas differ."""
-        if not self.check_divergence or collectives.world_size() == 1:
-            return
-        entries = _held.synchronised(state)
-        if not buffers:  # within a pass each rank's buffers (BatchNorm statistics) follow its own batches
-            entries = [(name, t) for name, t in entries if isinstance(t, torch.nn.Parameter)]
-        differing = models.differing_tensors(entries)
-        if differing:
-            where = 'after the first step' if not buffers else 'at the end of the training pass'
-            raise RuntimeError("replicas diverged {} (epoch {}, step {}): '{}' differs across ranks ({} of {} tensors "
-                               "differ); something updated it on one rank only, such as an optimizer or module that "
-                               "trial.state does not hold (store it there) or a callback that edits weights on one "
-                               "rank; AllReduceGradients(check_divergence=False) turns this check off".format(
-                                   where, state.get(torchbearer.EPOCH), self._steps, differing[0], len(differing),
-                                   len(entries)))
-
-    def _check_step(self, state):
+    def _carried_stop(self):
+        """None without buckets (the agreement all-reduces its own word), else whether this step's gradients
+        brought a stop request."""
         buckets = self.buckets
-        if buckets.missed():
-            raise RuntimeError('gradients were computed without passing through the output of state[MODEL], so they '
-                               'were not averaged; pass overlap=True to AllReduceGradients')
-        if not buckets.synced or not buckets.nonfinite:
-            return
-        if self.on_nonfinite == 'raise':
-            raise RuntimeError('the averaged gradients hold NaN or Inf at epoch {}, batch {} (on every rank); '
-                               'lower the learning rate, or pass on_nonfinite="skip" to skip such steps'.format(
-                                   state[torchbearer.EPOCH], state[torchbearer.BATCH]))
-        buckets.nonfinite = False  # counted once, whether on_backward runs or not
-        self.skipped += 1
-        state[SKIPPED_STEPS] = self.skipped
-        if self.skipped == 1 and collectives.rank() == 0:
-            warnings.warn('averaged gradients hold NaN or Inf: every rank skips this step; skipped steps are '
-                          'counted in state[torchbearer_dist.SKIPPED_STEPS]', stacklevel=2)
+        return None if buckets is None else buckets.synced and buckets.stop
+
+    def _request_stop(self):
+        self.buckets.request_stop()

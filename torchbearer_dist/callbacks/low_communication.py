@@ -10,21 +10,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
 from torchbearer_dist.callbacks import _held
-from torchbearer_dist.callbacks.stop import AgreeOnStop
+from torchbearer_dist.callbacks._stop_agreement import StopAgreement
 from torchbearer_dist.sync import collectives, models
 from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain, gather_local
-
-
-class _StopCarrier:
-    """What :class:`AgreeOnStop` asks of gradient buckets: a stop request travels in the next step's stop flag."""
-
-    def __init__(self):
-        self.synced = False  # the stop flag was agreed in this training step
-        self.stop = False  # and some rank asked to stop in it
-        self.requested = False
-
-    def request_stop(self):
-        self.requested = True
 
 
 class DiLoCo(Callback):
@@ -129,10 +117,8 @@ class DiLoCo(Callback):
         self._armed = False
         self._state = None
         self._flag = None  # (tensor, work) of the stop flag in flight
-        self.buckets = _StopCarrier()
-        # The stop agreement is held, not inherited: its companion calls _after_step after every other callback.
-        self._agreement = AgreeOnStop()
-        self._agreement.gradients = weakref.proxy(self)
+        self._stop_asked = self._stop_arrived = False  # this rank's request for the next flag; the flag's answer
+        self._agreement = StopAgreement(self, carrier=self)  # held, not inherited: this callback carries its stops
 
     # --- the run -------------------------------------------------------------------------------------------
 
@@ -152,7 +138,7 @@ class DiLoCo(Callback):
         check_parameters(_held.trainable(state))  # before any collective of the run
 
     def on_start_training(self, state):
-        self._agreement.on_start_training(state)
+        self._agreement.open_run(state)
         if collectives.world_size() == 1:
             return
         params = [p for _, p in _held.trainable(state)]
@@ -204,11 +190,10 @@ class DiLoCo(Callback):
         return buffers
 
     def on_sample(self, state):
-        self.buckets.synced = self.buckets.stop = False
-        self._gathered = None
+        self._stop_arrived, self._gathered = False, None
         self._armed = self.engine is not None
         if self._armed:  # the stop flag of this step: in flight while the step computes, read after it
-            requested, self.buckets.requested = self.buckets.requested, False
+            requested, self._stop_asked = self._stop_asked, False
             flag = torch.tensor([1.0 if requested else 0.0], dtype=torch.float64,
                                 device=collectives.comm_device(torch.device('cpu')))
             self._flag = (flag, dist.all_reduce(flag, async_op=True))
@@ -221,8 +206,7 @@ class DiLoCo(Callback):
             began = time.perf_counter()
             work.wait()
             self.engine.comm_seconds += time.perf_counter() - began
-            if flag.item() > 0:
-                self.buckets.synced = self.buckets.stop = True
+            self._stop_arrived = self._stop_arrived or flag.item() > 0
 
     def _after_inner_step(self, optimizer, args, kwargs):
         if not self._armed:  # a step outside the Trial's training steps stays local
@@ -237,9 +221,14 @@ class DiLoCo(Callback):
         self.inner_steps = 0
         self._check_divergence(state)
 
-    def _after_step(self, state):
-        """Called by the stop agreement's companion after every other callback of the step."""
+    def _after_step(self, state):  # the StopCarrier of callbacks/stop.py: after every other callback of the step
         self._read_flag()
+
+    def _carried_stop(self):
+        return self._stop_arrived
+
+    def _request_stop(self):
+        self._stop_asked = True
 
     def on_end_training(self, state):
         self._armed = False
@@ -248,7 +237,7 @@ class DiLoCo(Callback):
             self._outer_step(state)
 
     def on_end(self, state):
-        self._agreement.on_end(state)
+        self._agreement.close_run(state)
         self._remove_hook()
 
     def _remove_hook(self):

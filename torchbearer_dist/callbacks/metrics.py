@@ -15,8 +15,7 @@ from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
 from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks import _aggregators
-from torchbearer_dist.callbacks.gradients import check_loss_reduction, loss_is_summed
-from torchbearer_dist.callbacks.stop import _callback_list
+from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.data import distributed_samplers
 from torchbearer_dist.runtime.env import current_env
 from torchbearer_dist.sync import collectives, gather
@@ -230,7 +229,7 @@ class ReduceMetrics(Callback):
         self._stop_scaling()
         if self._summed:  # appended for the pass, after every callback (an @add_to_loss term included)
             self._scaler = self._scaler or _ScaleSummedLoss(float(collectives.world_size()))
-            callbacks = _callback_list(state)
+            callbacks = _torchbearer.callback_list(state[torchbearer.CALLBACK_LIST])
             while self._scaler in callbacks:
                 callbacks.remove(self._scaler)
             callbacks.append(self._scaler)

@@ -1,38 +1,47 @@
-"""Stopping together: a stop requested by any callback on any rank ends every rank at the same step."""
+"""Stopping together: a stop requested by any callback on any rank ends every rank at the same step.
+
+A stop request travels with the collectives a callback runs anyway, where one runs at every step: the
+callback is then a :class:`StopCarrier`. The mechanism, held by every carrier and by :class:`AgreeOnStop`,
+is :class:`~torchbearer_dist.callbacks._stop_agreement.StopAgreement`.
+"""
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torchbearer
 from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
 
-from torchbearer_dist import _torchbearer
+from torchbearer_dist.callbacks._stop_agreement import StopAgreement
+from torchbearer_dist.callbacks.gradients import AllReduceGradients
 from torchbearer_dist.sync import collectives
 
 
-class _LastWord(Callback):
-    """Runs after every other callback of the Trial's list, where a stop request of this step is final."""
+@runtime_checkable
+class StopCarrier(Protocol):
+    """What a callback offers so that a stop request travels with its own collectives, at no extra one.
 
-    def __init__(self, owner):
-        super().__init__()
-        self.owner = weakref.proxy(owner)
+    :class:`~torchbearer_dist.AllReduceGradients` carries a request in the stop flag of its last gradient
+    bucket, :class:`~torchbearer_dist.DiLoCo` in a one-value all-reduce per step (posted at ``on_sample``,
+    read after the step); either way every rank stops after the next step. A carrier holds a
+    ``StopAgreement(self, carrier=self)``, opens it at each training run start and closes it at the run
+    end, and offers these three methods, which the agreement calls after every other callback of a step.
+    """
 
-    def on_step_training(self, state):
-        self.owner._after_step(state)
+    def _after_step(self, state):
+        """The step's last work, before its stop requests are read (the carrier's collectives end here)."""
 
-    def on_end_training(self, state):
-        self.owner._agree_on_stop(state, self.owner._stop_requested)
+    def _carried_stop(self):
+        """Whether this step's collectives brought a stop request from some rank (alike on every rank).
 
-    def on_checkpoint(self, state):
-        self.owner._agree_on_stop(state, state[torchbearer.STOP_TRAINING])
+        None where none of its collectives can carry one now: the agreement then all-reduces one integer
+        of its own at this step, which also carries the carrier's ``_change_word(state)`` (whether this
+        rank's trainable set changed) and, when any rank's word is set, calls its
+        ``_follow(state, during_backward=False)``: only AllReduceGradients, without buckets, does so.
+        """
 
-    def __str__(self):
-        owner = self.owner.gradients if self.owner.gradients is not None else self.owner
-        return 'stop agreement of {}'.format(owner.__class__.__name__)
-
-
-def _callback_list(state):
-    """The Python list of callbacks that the Trial's own CallbackList iterates (under any injection)."""
-    return _torchbearer.callback_list(state[torchbearer.CALLBACK_LIST])
+    def _request_stop(self):
+        """Send this rank's stop request with the next step's collectives (called where ``_carried_stop()``
+        was not None in this step)."""
 
 
 class AgreeOnStop(Callback):
@@ -70,29 +79,23 @@ class AgreeOnStop(Callback):
 
     def __init__(self):
         super().__init__()
-        self._stop_requested = False
-        self._stop_agreed = False
-        self._last_word = _LastWord(self)
-        self._run_state = None
-        #: The AllReduceGradients that holds this agreement (its buckets carry the request), or None.
+        self._agreement = StopAgreement(self)
+        #: The AllReduceGradients whose buckets carry the stop requests (on a DDP model), or None.
         self.gradients = None
-        self._owned = False  # held by an AllReduceGradients of the user's list
         self._companion = None  # on a DDP model: the AllReduceGradients this agreement runs for the rest
         self._beside = None  # the companion, for the runs whose model is DDP
 
     def on_start(self, state):
         self._beside = None
-        if self._owned:
-            return
         if collectives.world_size() > 1 and isinstance(state.get(torchbearer.MODEL), DistributedDataParallel):
             if self._companion is None:
-                from torchbearer_dist.callbacks.gradients import AllReduceGradients  # it imports this module
-                self._companion = AllReduceGradients._beside_ddp(self)
+                self._companion = AllReduceGradients._beside_ddp(self._agreement)
             self.gradients = weakref.proxy(self._companion)
             self._beside = self._companion
             self._beside.on_start(state)
         else:
             self.gradients = None
+        self._agreement.carrier = self.gradients
 
     @property
     def buckets(self):
@@ -103,7 +106,7 @@ class AgreeOnStop(Callback):
         if self._beside is not None:
             self._beside.on_start_training(state)  # which opens the run here
         else:
-            self._open_run(state)
+            self._agreement.open_run(state)
 
     def on_sample(self, state):
         if self._beside is not None:
@@ -121,58 +124,4 @@ class AgreeOnStop(Callback):
         if self._beside is not None:
             self._beside.on_end(state)  # which closes the run here
         else:
-            self._close_run(state)
-
-    def _open_run(self, state):
-        self._stop_requested = self._stop_agreed = False
-        if collectives.world_size() == 1:
-            return
-        # torchbearer calls callbacks in list order and has no hook after them all: the one place where
-        # this package edits the Trial's callback list, for the run (removed in on_end, and before it is
-        # appended again, so a run that raised leaves no duplicate).
-        callbacks = _callback_list(state)
-        if self._last_word in callbacks:
-            callbacks.remove(self._last_word)
-        callbacks.append(self._last_word)
-        self._run_state = weakref.ref(state)
-
-    def _close_run(self, state):
-        if self._run_state is not None and self._run_state() is state:  # not an evaluate() nested in the run
-            callbacks = _callback_list(state)
-            if self._last_word in callbacks:
-                callbacks.remove(self._last_word)
-
-    def _stopped_by_buckets(self):
-        """Whether the gradients of this step carried a stop request from some rank."""
-        buckets = self.buckets
-        return buckets is not None and buckets.synced and buckets.stop
-
-    def _after_step(self, state):
-        if self.gradients is not None:
-            self.gradients._after_step(state)  # the step's last checks, after every other callback
-        if self._stopped_by_buckets():
-            self._stop_requested, self._stop_agreed = False, True
-            state[torchbearer.STOP_TRAINING] = True
-            return
-        if state[torchbearer.STOP_TRAINING] and not self._stop_agreed:
-            # Hold the stop until every rank knows: it travels with the next step's gradients.
-            state[torchbearer.STOP_TRAINING] = False
-            self._stop_requested = True
-            if self.buckets is not None:
-                self.buckets.request_stop()
-        if self.buckets is None:
-            # One all-reduce carries the stop requests and, with it, whether a rank's trainable set changed.
-            word = getattr(self.gradients, '_change_word', None)  # an engine that follows the trainable set
-            change = word is not None and word(state)
-            base = collectives.world_size() + 1
-            total = collectives.reduce_int(int(self._stop_requested) + base * int(change), 'sum')
-            if total >= base:
-                self.gradients._follow(state, during_backward=False)
-            if total % base:
-                self._stop_requested = False
-                state[torchbearer.STOP_TRAINING] = True
-
-    def _agree_on_stop(self, state, flag):
-        if collectives.any_rank(flag or state[torchbearer.STOP_TRAINING]):
-            state[torchbearer.STOP_TRAINING] = True
-        self._stop_requested = self._stop_agreed = False
+            self._agreement.close_run(state)
