@@ -44,33 +44,35 @@ TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ddp'
 ACCURACY = ['contender', 'final_acc', 'final_min', 'final_max', 'minus_sync_points', 'seconds', 'seeds']
 
 
-def diloco_name(local_steps, compression):
-    """``diloco-H`` for DiLoCo's default wire, ``diloco-H-<wire>`` otherwise (``none``: each parameter's dtype)."""
-    return 'diloco-{}{}'.format(local_steps, '' if compression == 'default' else '-' + compression)
+def diloco_name(local_steps, compression, overlap='default'):
+    """``diloco-H`` for DiLoCo's defaults, ``-<wire>`` (``none``: each parameter's dtype) and ``-o<steps>`` added."""
+    return 'diloco-{}{}{}'.format(local_steps, '' if compression == 'default' else '-' + compression,
+                                  '' if overlap == 'default' else '-o{}'.format(overlap))
 
 
-def diloco_options(compression, outer):
-    """DiLoCo's keyword arguments for a wire name and the outer options given (none: its defaults)."""
+def diloco_options(compression, outer, overlap='default'):
+    """DiLoCo's keyword arguments for a wire name, an overlap and the outer options given (none: its defaults)."""
     options = dict(outer)
     if compression != 'default':
         options['compression'] = None if compression == 'none' else compression
+    if overlap != 'default':
+        options['overlap_steps'] = int(overlap)
     return options
 
 
-def register(local_steps_list, compressions, outer):
-    """Add a contender per H and wire dtype to benchmarks/contenders.py's table; return their names."""
+def register(local_steps_list, compressions, outer, overlaps=('default',)):
+    """Add a contender per H, wire and overlap to benchmarks/contenders.py's table; return their names."""
     from torchbearer_dist import BroadcastParameters, DiLoCo
     contenders.CONTENDERS['no-sync'] = dict(ranks=0, callbacks=lambda: [BroadcastParameters()],
                                             note='two ranks that never communicate: the ceiling of two machines')
     names = []
-    for h in local_steps_list:
-        for compression in compressions:
-            name = diloco_name(h, compression)
-            options = diloco_options(compression, outer)
-            contenders.CONTENDERS[name] = dict(
-                ranks=0, callbacks=lambda h=h, o=options: [BroadcastParameters(), DiLoCo(local_steps=h, **o)],
-                note='DiLoCo(local_steps={}, {})'.format(h, options))
-            names.append(name)
+    for h, compression, overlap in ((h, c, o) for h in local_steps_list for c in compressions for o in overlaps):
+        name = diloco_name(h, compression, overlap)
+        options = diloco_options(compression, outer, overlap)
+        contenders.CONTENDERS[name] = dict(
+            ranks=0, callbacks=lambda h=h, o=options: [BroadcastParameters(), DiLoCo(local_steps=h, **o)],
+            note='DiLoCo(local_steps={}, {})'.format(h, options))
+        names.append(name)
     return names
 
 
@@ -82,6 +84,8 @@ def parse_args(argv=None):
     parser.add_argument('--local-steps', type=str, default='16,32,64', help='the H values, comma-separated')
     parser.add_argument('--compressions', type=str, default='default',
                         help="DiLoCo's wires: default (its own), none (the parameters' dtype), bf16, fp16, int8")
+    parser.add_argument('--overlap-steps', type=str, default='default',
+                        help="DiLoCo's overlap_steps, comma-separated (default: its own)")
     parser.add_argument('--outer-lr', type=float, default=None, help="DiLoCo's outer learning rate (default: its own)")
     parser.add_argument('--outer-momentum', type=float, default=None,
                         help="DiLoCo's outer (Nesterov) momentum (default: its own)")
@@ -105,6 +109,7 @@ def parse_args(argv=None):
     args.links = args.links.split(',')
     args.local_steps = [int(h) for h in args.local_steps.split(',')]
     args.compressions = args.compressions.split(',')
+    args.overlap_steps = args.overlap_steps.split(',')
     if args.quick:
         args.local_steps = args.local_steps[:1]
     if args.steps is None:
@@ -132,7 +137,7 @@ def worker_main(path):
         job = json.load(f)
     os.environ['GLOO_SOCKET_IFNAME'] = job['device']
     config = job['config']
-    register(config['local_steps'], config['compressions'], config['outer'])
+    register(config['local_steps'], config['compressions'], config['outer'], config.get('overlaps', ('default',)))
     dist.init_process_group('gloo', init_method='tcp://{}:{}'.format(job['master'], multihost.PORT), rank=job['rank'],
                             world_size=job['world_size'], timeout=datetime.timedelta(seconds=job['timeout']))
     try:
@@ -162,8 +167,10 @@ def _accuracy_run(name, seed, epochs, train_set, test_set, outer):
     if name == 'sync':
         sync = tbd.AllReduceGradients()
     else:
-        parts = name.split('-')  # diloco-<H>[-<compression>]
-        sync = tbd.DiLoCo(local_steps=int(parts[1]), **diloco_options(parts[2] if len(parts) > 2 else 'default', outer))
+        parts = name.split('-')  # diloco-<H>[-<compression>][-o<overlap>]
+        overlap = parts.pop()[1:] if parts[-1].startswith('o') else 'default'
+        sync = tbd.DiLoCo(local_steps=int(parts[1]),
+                          **diloco_options(parts[2] if len(parts) > 2 else 'default', outer, overlap))
     train_loader = DataLoader(train_set, batch_size=accuracy.BATCH, sampler=DistributedSampler(train_set, seed=seed))
     test_loader = DataLoader(test_set, batch_size=500, sampler=DistributedSampler(test_set, shuffle=False))
     callbacks = [tbd.BroadcastParameters(), tbd.SetSamplerEpoch(), tbd.EvenBatches(), tbd.ReduceMetrics(), clock, sync]
@@ -303,7 +310,7 @@ def main(argv=None):
     if reason:
         print('DiLoCo benchmark skipped: {}'.format(reason))
         return 0
-    names = register(args.local_steps, args.compressions, args.outer)
+    names = register(args.local_steps, args.compressions, args.outer, args.overlap_steps)
     command = 'python benchmarks/diloco.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     log = [command, 'before: ' + _uptime()]
@@ -311,7 +318,7 @@ def main(argv=None):
         args.links, args.local_steps, args.steps, args.outer, log[-1]), flush=True)
     config = dict(models=[args.model], contenders=args.baselines.split(',') + names, steps={args.model: args.steps},
                   repeats=args.repeats, all_reduce_calls=3, phase_steps=3, local_steps=args.local_steps,
-                  compressions=args.compressions, outer=args.outer)
+                  compressions=args.compressions, outer=args.outer, overlaps=args.overlap_steps)
     rows, started = [], time.monotonic()
     try:
         hosts = netns.Hosts(2).__enter__()

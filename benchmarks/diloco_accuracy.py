@@ -53,14 +53,15 @@ def interval(differences):
     return mean, mean - half, mean + half
 
 
-def contender_name(local_steps, outer, compression):
+def contender_name(local_steps, outer, compression, overlap='default'):
     if local_steps is None:
         return 'sync'
     return 'diloco-{}'.format(local_steps) + ('' if outer is None else '@{}/{}'.format(*outer)) + \
-        ('' if compression == 'default' else '+{}'.format(compression))
+        ('' if compression == 'default' else '+{}'.format(compression)) + \
+        ('' if overlap == 'default' else '~{}'.format(overlap))
 
 
-def train(model_name, local_steps, outer, compression, seed, data, epochs):
+def train(model_name, local_steps, outer, compression, overlap, seed, data, epochs):
     """One run of the example's recipe on this rank; returns (final global test accuracy, seconds)."""
     import contenders
     import torch
@@ -76,6 +77,8 @@ def train(model_name, local_steps, outer, compression, seed, data, epochs):
     options = {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1])
     if compression != 'default':
         options['compression'] = None if compression == 'none' else compression
+    if overlap not in ('default', None):
+        options['overlap_steps'] = int(overlap)
     callbacks = tbd.distributed_callbacks(flatten_images=model_name == 'mlp', local_steps=local_steps, report=False,
                                           **(options if local_steps is not None else {}))
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), metrics=['acc'], callbacks=callbacks, verbose=0)
@@ -97,9 +100,10 @@ def worker(config):
     runs = []
     for seed in config['seeds']:
         for model_name in config['models']:
-            for local_steps, outer, compression in config['contenders']:
-                acc, seconds = train(model_name, local_steps, outer, compression, seed, data, config['epochs'])
-                runs.append(dict(model=model_name, contender=contender_name(local_steps, outer, compression),
+            for local_steps, outer, compression, overlap in config['contenders']:
+                acc, seconds = train(model_name, local_steps, outer, compression, overlap, seed, data,
+                                     config['epochs'])
+                runs.append(dict(model=model_name, contender=contender_name(local_steps, outer, compression, overlap),
                                  seed=seed, acc=acc, seconds=seconds))
                 if torch.distributed.get_rank() == 0:
                     print('{model} {contender} seed {seed}: {acc:.4f} ({seconds:.1f} s)'.format(**runs[-1]),
@@ -133,12 +137,18 @@ def parse_args(argv=None):
                         help="DiLoCo's outer optimizer: 'default' or LR/MOMENTUM (Nesterov), comma-separated")
     parser.add_argument('--compression', type=str, default='default',
                         help="DiLoCo's wire: 'default', none, fp16, bf16, int8; comma-separated")
+    parser.add_argument('--overlap-steps', type=str, default='default',
+                        help="DiLoCo's overlap_steps: 'default' or steps, comma-separated")
     parser.add_argument('--seeds', type=int, default=5, help='seeds 0 .. N-1')
     parser.add_argument('--first-seed', type=int, default=0, help='the first seed')
     parser.add_argument('--epochs', type=int, default=5, help="epochs of every run (the example's 5)")
     parser.add_argument('--out', type=str, default=os.path.join(HERE, 'results', 'diloco', 'accuracy_defaults'),
                         help='output folder (runs.json, accuracy.csv, command.txt)')
     parser.add_argument('--table-only', action='store_true', help="only rebuild --out's table from its runs.json")
+    parser.add_argument('--skip-sync', action='store_true',
+                        help='no synchronous runs (pair with --also: runs are deterministic given the seed)')
+    parser.add_argument('--also', type=str, default=None,
+                        help="other output folders whose runs.json join this table (e.g. their sync runs)")
     return parser.parse_args(argv)
 
 
@@ -151,16 +161,19 @@ def main(argv=None):
         outers = [None if o == 'default' else tuple(float(v) for v in o.split('/')) for o in args.outer.split(',')]
         config = dict(models=args.models.split(','), epochs=args.epochs,
                       seeds=list(range(args.first_seed, args.first_seed + args.seeds)),
-                      contenders=[(None, None, None)] + [(int(h), o, c) for h in args.local_steps.split(',')
-                                                         for o in outers for c in args.compression.split(',')])
-        runs = tbd.launch(worker, 2, args=(config,), timeout=600)[0]
+                      contenders=([] if args.skip_sync else [(None, None, None, None)]) + [
+                          (int(h), o, c, v) for h in args.local_steps.split(',') for o in outers
+                          for c in args.compression.split(',') for v in args.overlap_steps.split(',')])
         with open(runs_path, 'w') as f:
-            json.dump(runs, f, indent=1)
+            json.dump(tbd.launch(worker, 2, args=(config,), timeout=600)[0], f, indent=1)
         with open(os.path.join(args.out, 'command.txt'), 'w') as f:
             f.write('python benchmarks/diloco_accuracy.py {}\n# load average at the end: {}\n'.format(
                 ' '.join(argv if argv is not None else sys.argv[1:]), ' '.join(map(str, os.getloadavg()))))
-    with open(runs_path) as f:
-        rows = table(json.load(f))
+    runs = []
+    for folder in [args.out] + (args.also.split(',') if args.also else []):
+        with open(os.path.join(folder, 'runs.json')) as f:
+            runs += json.load(f)
+    rows = table(runs)
     with open(os.path.join(args.out, 'accuracy.csv'), 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()

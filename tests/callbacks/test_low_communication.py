@@ -88,13 +88,14 @@ class _InterruptAt(Callback):
             raise _Interrupted()
 
 
-def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS, checkpoint=None, resume=False):
+def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS, checkpoint=None, resume=False,
+           callbacks=None):
     rank = dist.get_rank()
     model = _model(kind, SEED + rank)  # differently seeded ranks: BroadcastParameters is part of what is checked
     dataset = TensorDataset(*_data())
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=shuffle, seed=5))
     optimizer = optimizer(model) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=LR)
-    callbacks = list(extra) + distributed_callbacks(**options)
+    callbacks = list(extra) + (callbacks if callbacks is not None else distributed_callbacks(**options))
     if checkpoint is not None:
         callbacks.insert(0, torchbearer_dist.Checkpoint(checkpoint, every_steps=4))
     trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], callbacks=callbacks,
@@ -178,15 +179,19 @@ def _no_hooks():
     return None
 
 
-def _resume(directory):
-    """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed."""
+def _resume(directory, overlap_steps=0):
+    """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed.
+
+    With ``overlap_steps=2`` the meeting that began at step 3 is in flight at the checkpoint (it lands at 5).
+    """
     torch.manual_seed(0)
     sgd = _momentum_sgd
-    options = dict(local_steps=3, **DiLoCo.PAPER)  # the outer momentum is state a resume must restore too
-    whole, _ = _trial('bn', options, optimizer=sgd, shuffle=True,
-                      checkpoint=os.path.join(directory, 'whole.pt'), extra=[_InterruptAt(None)])
+    # the outer momentum is state a resume must restore too
+    options = dict(local_steps=3, overlap_steps=overlap_steps, **DiLoCo.PAPER)
+    whole, _ = _trial('bn', options, optimizer=sgd, shuffle=True, extra=[_InterruptAt(None)],
+                      checkpoint=os.path.join(directory, 'whole{}.pt'.format(overlap_steps)))
     torch.manual_seed(0)
-    path = os.path.join(directory, 'cut.pt')
+    path = os.path.join(directory, 'cut{}.pt'.format(overlap_steps))
     _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(6)])
     saved = torch.load(path, weights_only=True) if dist.get_rank() == 0 else None
     torch.manual_seed(1)  # the resumed run owes nothing to this process's RNG
@@ -195,9 +200,31 @@ def _resume(directory):
     diloco = None if saved is None else next(e['state'] for e in saved['callbacks'] if e['type'].endswith('.DiLoCo'))
     return {'whole': _snapshot(whole), 'resumed': _snapshot(resumed), 'position': saved and saved['position'],
             'inner_steps': diloco and diloco['inner_steps'], 'local': diloco and len(diloco['local'] or ()),
+            'meeting': diloco and diloco.get('meeting') and diloco['meeting']['due'],
             'dtypes': diloco and sorted({str(t.dtype) for entry in diloco['local'] for t in
                                          entry['params'] + entry['buffers'] + [
                                              v for s in entry['optimizer']['state'].values() for v in s.values()]})}
+
+
+class _Anchors(Callback):
+    """Records, after every step, whether a meeting is in flight and a copy of the anchor."""
+
+    def __init__(self, diloco):
+        super().__init__()
+        self.diloco, self.steps = diloco, []
+
+    def on_step_training(self, state):
+        engine = self.diloco.engine
+        self.steps.append((engine.meeting is not None, [a.clone() for a in engine.anchor]))
+
+
+def _overlap():
+    """H=4, each meeting landing 2 steps after it began while the ranks train on; the paper's outer step."""
+    callbacks = distributed_callbacks(local_steps=4, overlap_steps=2, **DiLoCo.PAPER)
+    anchors = _Anchors(callbacks[-1])
+    torch.manual_seed(0)
+    model, _ = _trial('bn', None, optimizer=_momentum_sgd, extra=[anchors], callbacks=callbacks)
+    return {'state': _snapshot(model), 'steps': anchors.steps, 'outer_steps': callbacks[-1].engine.steps}
 
 
 def _momentum_sgd(model):
@@ -208,7 +235,8 @@ def _worker(directory):
     torch.set_num_threads(1)
     return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
                         ('second_model', _second_model), ('no_hooks', _no_hooks),
-                        ('resume', functools.partial(_resume, directory))])
+                        ('resume', functools.partial(_resume, directory)), ('overlap', _overlap),
+                        ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2))])
 
 
 @pytest.fixture(scope='module')
@@ -284,6 +312,10 @@ def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):
 @pytest.mark.parametrize('make, message', [
     (lambda: DiLoCo(local_steps=0), r'^local_steps should be an integer >= 1, but given 0$'),
     (lambda: DiLoCo(local_steps=True), r'^local_steps should be an integer >= 1, but given True$'),
+    (lambda: DiLoCo(local_steps=4, overlap_steps=4),
+     r'^overlap_steps should be an integer >= 0 and below local_steps \(4\), but given 4$'),
+    (lambda: DiLoCo(overlap_steps=-1), r'^overlap_steps should be an integer >= 0 and below local_steps \(50\), but '
+                                       r'given -1$'),
     (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16', 'bf16' or 'int8' \(what "
                                         r"pseudo-gradients travel in\), but given 'fp8'$"),
     (lambda: distributed_callbacks(local_steps=10, compression='powersgd'),
@@ -303,3 +335,25 @@ def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_avera
     assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.0, nesterov=True, compression='bf16')
     assert DiLoCo(local_steps=20).gain == 1.0 and DiLoCo(local_steps=500, **DiLoCo.PAPER).gain == pytest.approx(7.0)
     assert not any(isinstance(c, torchbearer_dist.AllReduceGradients) for c in callbacks)
+
+
+def test_a_meeting_in_flight_lands_overlap_steps_later_with_the_anchors_bit_identical(trained):
+    rank0, rank1 = scenario_values(trained, 'overlap')
+    # 10 steps an epoch: meetings begin at steps 4 and 8 and land at 6 and 10 (10: the end of the pass, which
+    # lands it and meets once more, blocking), every epoch
+    assert [flying for flying, _ in rank0['steps']] == [False, False, False, True, True, False, False, True, True,
+                                                          False] * EPOCHS
+    for (_, mine), (_, theirs) in zip(rank0['steps'], rank1['steps']):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+    assert not torch.equal(rank0['steps'][4][1][0], rank0['steps'][5][1][0])  # the anchor moved when it landed
+    _assert_equal(rank0['state'], rank1['state'])  # the end of the pass met, blocking: one model
+    assert rank0['outer_steps'] == EPOCHS * 3
+
+
+def test_a_run_resumed_with_a_meeting_in_flight_ends_bit_identical(trained):
+    rank0, rank1 = scenario_values(trained, 'resume_overlap')
+    assert rank0['position']['batches'] == 4 and rank0['inner_steps'] == 1 and rank0['meeting'] == 1
+    for rank in (rank0, rank1):
+        _assert_equal(rank['resumed'], rank['whole'])
+    _assert_equal(rank0['whole'], rank1['whole'])

@@ -84,11 +84,31 @@ def _scenario_step(compression, momentum, rank):
             'anchor': anchor, 'saved': outer.state_dict()}
 
 
+def _scenario_overlap(compression, rank):
+    """begin(), then 0.5 (rank + 1) of local progress on every weight, then finish(carry=True)."""
+    model, anchor = _local_weights(rank)
+    outer = OuterStep(list(model.parameters()), list(model.buffers()), outer_lr=0.5, outer_momentum=0.9,
+                      compression=compression)
+    for a, saved in zip(outer.anchor, anchor):
+        a.copy_(saved)
+    outer.begin()
+    progress = 0.5 * (rank + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(progress)
+        model[1].running_mean.add_(progress)
+    outer.advance()
+    outer.finish(carry=True)
+    return {'params': [p.detach().clone() for p in model.parameters()], 'anchor': [a.clone() for a in outer.anchor],
+            'start': anchor, 'progress': progress, 'running_mean': model[1].running_mean.clone()}
+
+
 def _worker_steps():
     import torch.distributed as dist
     rank = dist.get_rank()
     scenarios = [('{}_{}'.format(c, m), (lambda c=c, m=m: _scenario_step(c, m, rank)))
                  for c in (None, 'fp16', 'bf16', 'int8') for m in (0.0, 0.9)]
+    scenarios += [('overlap_{}'.format(c), (lambda c=c: _scenario_overlap(c, rank))) for c in (None, 'int8')]
     return run_in_step(scenarios)
 
 
@@ -142,3 +162,18 @@ def test_state_dict_round_trip_restores_the_anchor_and_the_momentum():
         assert torch.equal(momentum, outer.outer.state_dict()['state'][0]['momentum_buffer'])
         with pytest.raises(ValueError, match=r'^the saved anchor holds 2 tensors that do not match the 4 parameters'):
             OuterStep(list(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).parameters())).load_state_dict(saved)
+
+
+@pytest.mark.parametrize('compression', [None, 'int8'])
+def test_a_meeting_that_lands_later_steps_the_anchor_and_keeps_each_ranks_progress_since(steps, compression):
+    rank0, rank1 = scenario_values(steps, 'overlap_{}'.format(compression))
+    for a, b in zip(rank0['anchor'], rank1['anchor']):
+        assert torch.equal(a, b)  # the anchors agree bit for bit
+    expected = _expected_first_step(0.9, rank0['start'])  # the mean of the pseudo-gradients taken at begin()
+    tolerance = {None: 1e-6, 'int8': 0.5 * 1.9 * (0.08 + 0.06) / 254}[compression]
+    for rank in (rank0, rank1):
+        for got, anchor, want in zip(rank['params'], rank['anchor'], expected):
+            torch.testing.assert_close(anchor, want, rtol=0, atol=tolerance)
+            torch.testing.assert_close(got, anchor + rank['progress'], rtol=0, atol=1e-6)  # its own progress kept
+        # the running mean: 0 and 1 averaged at begin(), plus what each rank added since
+        torch.testing.assert_close(rank['running_mean'], torch.full((3,), 0.5 + rank['progress']), rtol=0, atol=1e-6)

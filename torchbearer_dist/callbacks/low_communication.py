@@ -1,10 +1,7 @@
 """Low-communication training in a Trial: :class:`DiLoCo`, a thin callback over :mod:`torchbearer_dist.sync.diloco`."""
-import time
-import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
 import torchbearer
 from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
@@ -12,7 +9,9 @@ from torchbearer import Callback
 from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
 from torchbearer_dist.sync import collectives, models
-from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain, gather_local
+from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain
+from torchbearer_dist.sync.diloco_local import gather_local, restore_local
+from torchbearer_dist.sync.stop_flag import StopFlag
 
 
 class DiLoCo(Callback):
@@ -25,16 +24,11 @@ class DiLoCo(Callback):
     every rank continues from the new anchor. One message per ``local_steps`` steps instead of one
     per step.
 
-    **The outer optimizer's gain.** SGD with learning rate ``lr`` and momentum ``m`` moves the anchor
-    ``lr / (1 - m)`` times the ranks' averaged progress once the momentum has built up. The defaults,
-    ``outer_lr=1`` without momentum, have gain 1: the anchor becomes the average of the ranks'
-    weights, so the optimizer and learning rate tuned for synchronous training keep their meaning,
-    and the example's recipe keeps its synchronous accuracy from ``local_steps=8`` to 64. The paper's
-    settings (``outer_lr=0.7``, Nesterov momentum 0.9: ``DiLoCo.PAPER``, ``DiLoCo(local_steps=500,
-    **DiLoCo.PAPER)``) have gain 7: they suit an inner optimizer tuned for them (the paper's AdamW
-    at a small learning rate) and hundreds of local steps; on an inner SGD tuned for synchronous
-    training they overshoot (the example's MLP loses 5 to 8 points, a CNN can diverge). Raise the
-    gain only with an inner learning rate lowered to match.
+    **The outer optimizer's gain**, ``outer_lr / (1 - outer_momentum)``, is how far the anchor moves
+    per unit of the ranks' averaged progress. The defaults have gain 1 (the anchor becomes the ranks'
+    average), so a recipe tuned for synchronous training keeps its accuracy (the example's, from
+    ``local_steps=8`` to 64); the paper's settings, ``**DiLoCo.PAPER`` (0.7, Nesterov 0.9), have
+    gain 7, for an inner optimizer tuned for them: see :doc:`/low_communication`.
 
     **What it is.** Not one process at N x B: between outer steps each rank follows its own
     gradients. What is averaged at each outer step: the pseudo-gradients of every parameter the
@@ -75,9 +69,14 @@ class DiLoCo(Callback):
             scale per 128), added in fp32 (:mod:`torchbearer_dist.sync.wire`); the anchor and the outer
             step stay in full precision
         check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
+        overlap_steps (int): 0: each meeting blocks; k > 0: a meeting lands k steps after it began, the
+            ranks training on meanwhile (its wire time hidden behind k steps); the anchor then steps and
+            each rank keeps its progress since (the anchors are compared, bit for bit); below
+            ``local_steps``. The meeting at the end of a training pass always blocks.
 
     Raises:
-        ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``); at
+        ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``,
+            ``overlap_steps`` not in ``[0, local_steps)``); at
             the start of a run, a DistributedDataParallel model, an optimizer without step hooks, or a
             parameter that is not dense real floating (named)
         RuntimeError: the divergence sentinel found a tensor that differs across ranks after an outer step
@@ -95,10 +94,17 @@ class DiLoCo(Callback):
     PAPER = PAPER
 
     def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression=None,
-                 check_divergence=True):
+                 check_divergence=True, overlap_steps=0):
         super().__init__()
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError('local_steps should be an integer >= 1, but given {!r}'.format(local_steps))
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or \
+                not 0 <= overlap_steps < local_steps:
+            raise ValueError('overlap_steps should be an integer >= 0 and below local_steps ({}), but given '
+                             '{!r}'.format(local_steps, overlap_steps))
+        self.overlap_steps = overlap_steps
+        self._due = 0  # steps until the meeting in flight lands
+        self._landed = None  # what a meeting in flight brought, for the step checkpoint being written
         check_options(outer_lr, outer_momentum, nesterov, compression)
         if not isinstance(check_divergence, bool):
             raise ValueError('check_divergence should be True or False, but given {!r}'.format(check_divergence))
@@ -116,11 +122,9 @@ class DiLoCo(Callback):
         self._fresh = False  # the first training pass of a run
         self._armed = False
         self._state = None
-        self._flag = None  # (tensor, work) of the stop flag in flight
+        self._flag = StopFlag()
         self._stop_asked = self._stop_arrived = False  # this rank's request for the next flag; the flag's answer
         self._agreement = StopAgreement(self, carrier=self)  # held, not inherited: this callback carries its stops
-
-    # --- the run -------------------------------------------------------------------------------------------
 
     def on_start(self, state):
         self._remove_hook()
@@ -144,15 +148,17 @@ class DiLoCo(Callback):
         params = [p for _, p in _held.trainable(state)]
         fresh, self._fresh = self._fresh, False
         if self.engine is None or not self.engine.same_params(params):
-            self._retired = self.traffic()
+            self._retired = tuple(a + b for a, b in zip(self._retired, self.engine.traffic())) \
+                if self.engine is not None else self._retired
             self.engine = OuterStep(params, self._buffers(state), **self.options)  # the anchor: rank 0's weights
             self.inner_steps = 0
         else:
             self.engine.buffers = self._buffers(state)
             if fresh and self._pending is None:
                 self._restart(state)
-        if self._pending is not None:
-            self._resume(state, self._pending)
+        if self._pending is not None:  # a loaded checkpoint's state
+            self.engine.load_state_dict(self._pending['engine'])
+            self.inner_steps, self._due = restore_local(self.engine, self._pending, state[torchbearer.OPTIMIZER])
             self._pending = None
         if self._hook is None:
             self._state = weakref.ref(state)
@@ -165,12 +171,13 @@ class DiLoCo(Callback):
             tuple: ``(bytes_sent, wait_seconds, comm_seconds)`` totals since construction (see
             :meth:`OuterStep.traffic <torchbearer_dist.sync.diloco.OuterStep.traffic>`)
         """
-        if self.engine is None:
-            return self._retired
-        return tuple(a + b for a, b in zip(self._retired, self.engine.traffic()))
+        flag = (self._flag.bytes_sent, self._flag.wait_seconds, self._flag.wait_seconds)
+        engine = self.engine.traffic() if self.engine is not None else (0, 0.0, 0.0)
+        return tuple(a + b + c for a, b, c in zip(self._retired, engine, flag))
 
     def _restart(self, state):
         """A new run of the same models: from the weights as they are, or from the anchor after a run that raised."""
+        self.engine.meeting = None  # one in flight when the last run raised
         if self.inner_steps > 0:  # the ranks' weights differ: go on from the last point they shared
             with torch.no_grad():
                 for p, a in zip(self.engine.params, self.engine.anchor):
@@ -193,30 +200,35 @@ class DiLoCo(Callback):
         self._stop_arrived, self._gathered = False, None
         self._armed = self.engine is not None
         if self._armed:  # the stop flag of this step: in flight while the step computes, read after it
-            requested, self._stop_asked = self._stop_asked, False
-            flag = torch.tensor([1.0 if requested else 0.0], dtype=torch.float64,
-                                device=collectives.comm_device(torch.device('cpu')))
-            self._flag = (flag, dist.all_reduce(flag, async_op=True))
-            self.engine.bytes_sent += flag.element_size()
+            self._flag.post(self._stop_asked)
+            self._stop_asked = False
 
     def _read_flag(self):
-        if self._flag is not None:
-            flag, work = self._flag
-            self._flag = None
-            began = time.perf_counter()
-            work.wait()
-            self.engine.comm_seconds += time.perf_counter() - began
-            self._stop_arrived = self._stop_arrived or flag.item() > 0
+        self._stop_arrived = self._flag.read() or self._stop_arrived
 
     def _after_inner_step(self, optimizer, args, kwargs):
         if not self._armed:  # a step outside the Trial's training steps stays local
             return
         self._armed = False
         self.inner_steps += 1
+        if self.engine.meeting is not None:
+            self._due -= 1
+            if self._due == 0:  # the meeting lands: the anchor steps, each rank keeps its progress since
+                self.engine.finish(carry=True)
+                self._check_divergence(self._state(), anchor=True)
+            else:
+                self.engine.advance()
         if self.inner_steps >= self.local_steps:
-            self._outer_step(self._state())
+            if self.overlap_steps:
+                self.engine.begin()  # in flight for the next overlap_steps steps
+                self._due, self.inner_steps = self.overlap_steps, 0
+            else:
+                self._outer_step(self._state())
 
     def _outer_step(self, state):
+        """A meeting that blocks: every rank ends with the new anchor, bit for bit."""
+        if self.engine.meeting is not None:  # land the one in flight first
+            self.engine.finish(carry=self.inner_steps > 0)
         self.engine.step()
         self.inner_steps = 0
         self._check_divergence(state)
@@ -233,7 +245,7 @@ class DiLoCo(Callback):
     def on_end_training(self, state):
         self._armed = False
         self._read_flag()  # a step that ended early
-        if self.engine is not None and self.inner_steps > 0:
+        if self.engine is not None and (self.inner_steps > 0 or self.engine.meeting is not None):
             self._outer_step(state)
 
     def on_end(self, state):
@@ -245,17 +257,17 @@ class DiLoCo(Callback):
             self._hook.remove()
             self._hook = None
 
-    def _check_divergence(self, state):
+    def _check_divergence(self, state, anchor=False):
         if not self.check_divergence:
             return
-        differing = models.differing_tensors(_held.synchronised(state))
+        if anchor:  # a meeting that landed while the ranks trained on: their anchors agree, their weights not
+            named = [('anchor of ' + name, a) for (name, _), a in zip(_held.trainable(state), self.engine.anchor)]
+        differing = models.differing_tensors(named if anchor else _held.synchronised(state))
         if differing:
             raise RuntimeError("replicas diverged after outer step {} (epoch {}): '{}' differs across ranks; something "
                                "updated it on one rank only, or outside the models and optimizers trial.state holds "
                                "(store it there); DiLoCo(check_divergence=False) turns this check off".format(
                                    self.engine.steps, state.get(torchbearer.EPOCH), differing[0]))
-
-    # --- checkpoints ---------------------------------------------------------------------------------------
 
     def gather_for_checkpoint(self, state):
         """Send every rank's local weights and inner optimizer state to rank 0, for a step checkpoint.
@@ -266,34 +278,21 @@ class DiLoCo(Callback):
         .. warning:: A synchronization point: every rank must call it at the same step.
         """
         self._gathered = None
-        if self.engine is not None and self.inner_steps > 0 and collectives.world_size() > 1:
-            self._gathered = gather_local(self.engine, state[torchbearer.OPTIMIZER])
+        if self.engine is None or collectives.world_size() == 1:
+            return
+        meeting = self.engine.meeting
+        if self.inner_steps > 0 or meeting is not None:
+            self._landed = meeting.shared() if meeting is not None else None  # waits: the same on every rank
+            self._gathered = gather_local(self.engine, state[torchbearer.OPTIMIZER],
+                                          meeting.local() if meeting is not None else ())
 
     def state_dict(self):
         if self.engine is None:
             return self._pending
-        return {'inner_steps': self.inner_steps, 'engine': self.engine.state_dict(), 'local': self._gathered}
+        meeting = None if self.engine.meeting is None or self._gathered is None else \
+            {'due': self._due, 'shared': self._landed}
+        return {'inner_steps': self.inner_steps, 'engine': self.engine.state_dict(), 'local': self._gathered,
+                'meeting': meeting}
 
     def load_state_dict(self, state_dict):
         self._pending = state_dict  # applied in on_start_training, after rank 0's weights are everywhere
-
-    def _resume(self, state, saved):
-        self.engine.load_state_dict(saved['engine'])
-        local = saved.get('local')
-        with torch.no_grad():
-            if saved['inner_steps'] and local is not None and len(local) == collectives.world_size():
-                mine = local[collectives.rank()]
-                for p, value in zip(self.engine.params, mine['params']):
-                    p.copy_(value)
-                for b, value in zip(self.engine.buffers, mine['buffers']):
-                    b.copy_(value)
-                state[torchbearer.OPTIMIZER].load_state_dict(mine['optimizer'])
-                self.inner_steps = saved['inner_steps']
-                return
-            if saved['inner_steps'] and collectives.rank() == 0:
-                warnings.warn('the checkpoint was written {} local steps after an outer step at world size {}; at '
-                              'world size {} every rank starts again from the anchor'.format(
-                                  saved['inner_steps'], len(local or ()), collectives.world_size()), stacklevel=2)
-            for p, a in zip(self.engine.params, self.engine.anchor):
-                p.copy_(a)
-        self.inner_steps = 0

@@ -12,14 +12,12 @@ step is the same arithmetic on the same numbers. The inner optimizer is not touc
 
 Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023).
 """
-import copy
 import time
-import zlib
 
 import torch
-import torch.distributed as dist
 
-from torchbearer_dist.sync import collectives, wire
+from torchbearer_dist.sync import collectives
+from torchbearer_dist.sync.meeting import Meeting
 
 #: What a pseudo-gradient may travel in: None, each parameter's own dtype (an all-reduce); or an encoding of
 #: :mod:`~torchbearer_dist.sync.wire`, added in fp32.
@@ -114,6 +112,7 @@ class OuterStep:
         self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0) if self.anchor else None
         self.steps = 0
+        self.meeting = None  # a meeting in flight (begin() without finish())
         self.bytes_sent = 0  # payload handed to all-reduce and broadcast, for traffic()
         self.comm_seconds = 0.0
 
@@ -123,17 +122,10 @@ class OuterStep:
 
         Returns:
             tuple: ``(bytes_sent, wait_seconds, comm_seconds)``: the payload bytes this rank handed to
-            all-reduce and broadcast (pseudo-gradients in the wire dtype, buffers, the stop flag), and
-            the seconds spent in them, twice: an outer step's collectives are synchronous, nothing
-            hides them
+            the collectives (pseudo-gradients in the wire dtype, buffers, the stop flag), and the
+            seconds spent waiting for them, twice: what a meeting in flight hid is not known
         """
         return self.bytes_sent, self.comm_seconds, self.comm_seconds
-
-    def _all_reduce(self, tensor):
-        began = time.perf_counter()
-        dist.all_reduce(tensor)
-        self.comm_seconds += time.perf_counter() - began
-        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def same_params(self, params):
         """Whether ``params`` are the tensors this engine was built over, in order."""
@@ -157,52 +149,69 @@ class OuterStep:
 
         .. warning:: A synchronization point: every rank must call it.
         """
-        world = collectives.world_size()
-        groups = {}
-        for i, p in enumerate(self.params):
-            groups.setdefault(p.dtype, []).append(i)
-        for dtype in sorted(groups, key=str):  # the same order on every rank
-            indices = groups[dtype]
-            flat = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in indices])
-            if world > 1 and self.compression is None:
-                flat.div_(world)
-                self._all_reduce(flat)
-            elif world > 1:
-                began = time.perf_counter()
-                flat = wire.mean(flat.to(torch.float32), self.compression).to(dtype)
-                self.comm_seconds += time.perf_counter() - began
-                self.bytes_sent += wire.wire_bytes(flat.numel(), world, self.compression)
+        self.begin(stop)
+        return self.finish(carry=False)
+
+    @torch.no_grad()
+    def begin(self, stop=False):
+        """Post a meeting's collectives (``async_op=True``) and return at once: the meeting is in flight.
+
+        The pseudo-gradients and buffers are taken now; the parameters may go on training until
+        :meth:`finish`. Call :meth:`advance` at every step in between (it moves a compressed mean to its
+        second collective), at the same steps on every rank.
+
+        .. warning:: A synchronization point: every rank must call it at the same step.
+        """
+        self.meeting = Meeting(self, stop)
+
+    def advance(self):
+        """Move the meeting in flight on (a compressed mean's second collective), if there is one."""
+        if self.meeting is not None:
+            self.meeting.advance()
+
+    @torch.no_grad()
+    def finish(self, carry=True):
+        """Wait for the meeting in flight, step the anchor, and move the parameters with it.
+
+        Args:
+            carry (bool): keep the local progress made since :meth:`begin` (each parameter moves by the
+                anchor's step plus what it trained since); False: every parameter becomes the anchor
+
+        Returns:
+            bool: whether any rank asked to stop in the meeting
+        """
+        meeting, self.meeting = self.meeting, None
+        began = time.perf_counter()
+        means, buffer_mean, ranks_zero = meeting.wait()
+        self.comm_seconds += time.perf_counter() - began
+        old = [a.clone() for a in self.anchor] if carry else None
+        for (_, indices, _), mean in zip(meeting.groups, means):
             offset = 0
             for i in indices:
                 n = self.anchor[i].numel()
-                self.anchor[i].grad = flat[offset:offset + n].view_as(self.anchor[i])
+                self.anchor[i].grad = mean[offset:offset + n].view_as(self.anchor[i])
                 offset += n
         if self.outer is not None:
             self.outer.step()
-            for a, p in zip(self.anchor, self.params):
+            for i, (a, p) in enumerate(zip(self.anchor, self.params)):
                 a.grad = None
-                p.copy_(a)
+                if carry:
+                    p.add_(a - old[i] + meeting.own(i))
+                else:
+                    p.copy_(a)
         self.steps += 1
-        return self._average_buffers(stop) if world > 1 else bool(stop)
-
-    def _average_buffers(self, stop):
+        if collectives.world_size() == 1:
+            return bool(meeting.stop)
         floating = [b for b in self.buffers if b.is_floating_point()]
-        device = floating[0].device if floating else (self.params[0].device if self.params else torch.device('cpu'))
-        flat = torch.cat([b.reshape(-1).to(torch.float64) for b in floating] +
-                         [torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)])
-        self._all_reduce(flat)
         offset = 0
         for b in floating:
             n = b.numel()
-            b.copy_((flat[offset:offset + n] / collectives.world_size()).view_as(b))
+            mean = (buffer_mean[offset:offset + n] / collectives.world_size()).view_as(b)
+            b.copy_(b + mean - meeting.buffers[offset:offset + n].view_as(b) if carry else mean)
             offset += n
-        others = [b for b in self.buffers if not b.is_floating_point()]
-        began = time.perf_counter()
-        for b in others:
-            dist.broadcast(b, 0)
-            self.bytes_sent += b.numel() * b.element_size()
-        self.comm_seconds += time.perf_counter() - began
-        return bool(flat[-1].item() > 0)
+        for b, (own, zero) in zip([b for b in self.buffers if not b.is_floating_point()], ranks_zero):
+            b.copy_(b + zero - own if carry else zero)
+        return bool(buffer_mean[-1].item() > 0)
 
     def state_dict(self):
         """The anchor, the outer optimizer's state and the number of outer steps: plain values and tensors."""
@@ -227,72 +236,3 @@ class OuterStep:
         self.steps = state['steps']
 
 
-def _tensor_leaves(optimizer_state):
-    """The tensors of an optimizer's ``state_dict()['state']``, in a fixed order (parameter index, then name)."""
-    leaves = []
-    for index in sorted(optimizer_state['state']):
-        entry = optimizer_state['state'][index]
-        leaves.extend(entry[name] for name in sorted(entry) if isinstance(entry[name], torch.Tensor))
-    return leaves
-
-
-def _with_leaves(optimizer_state, tensors):
-    """A copy of ``optimizer_state`` whose tensors, in :func:`_tensor_leaves`' order, are ``tensors``."""
-    tensors = iter(tensors)
-    state = {index: {name: next(tensors) if isinstance(value, torch.Tensor) else value
-                     for name, value in sorted(entry.items())}
-             for index, entry in sorted(optimizer_state['state'].items())}
-    return {'state': state, 'param_groups': copy.deepcopy(optimizer_state['param_groups'])}
-
-
-def gather_local(engine, optimizer):
-    """Every rank's local weights, buffers and inner optimizer state, on rank 0, each tensor in its own dtype.
-
-    One fixed-shape ``gather`` per dtype (no pickling), after one all-reduce that checks every rank
-    holds the same shapes and dtypes; the bytes and seconds count in ``engine.traffic()``.
-
-    Args:
-        engine (OuterStep): its ``params`` and ``buffers`` are gathered
-        optimizer (torch.optim.Optimizer): the inner optimizer, whose ``state_dict()`` is gathered
-
-    Returns:
-        list: on rank 0, per rank ``{'params', 'buffers', 'optimizer'}``; None on the other ranks
-
-    Raises:
-        RuntimeError: the inner optimizer holds state of different shapes on different ranks
-
-    .. warning:: A synchronization point: every rank must call it at the same step.
-    """
-    began = time.perf_counter()
-    state = copy.deepcopy(optimizer.state_dict())
-    leaves = [t.detach() for t in list(engine.params) + list(engine.buffers) + _tensor_leaves(state)]
-    device = collectives.comm_device(leaves[0].device if leaves else torch.device('cpu'))  # gloo: CPU only
-    signature = zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for t in leaves]).encode())
-    seen = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-    if seen[0] != -seen[1]:
-        raise RuntimeError('the inner optimizer holds state of different shapes on different ranks, so a step '
-                           'checkpoint cannot hold it; give every parameter a gradient on every rank')
-    world, mine = collectives.world_size(), collectives.rank() == 0
-    values = [[None] * len(leaves) for _ in range(world)]
-    by_dtype = {}
-    for i, t in enumerate(leaves):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        indices = by_dtype[dtype]
-        flat = torch.cat([leaves[i].reshape(-1).to(device) for i in indices])
-        everyone = [torch.empty_like(flat) for _ in range(world)] if mine else None
-        dist.gather(flat, everyone, dst=0)
-        engine.bytes_sent += flat.numel() * flat.element_size()
-        for rank, gathered in enumerate(everyone or ()):
-            offset = 0
-            for i in indices:
-                n = leaves[i].numel()
-                values[rank][i] = gathered[offset:offset + n].to(leaves[i].device).view_as(leaves[i]).clone()
-                offset += n
-    engine.comm_seconds += time.perf_counter() - began
-    if not mine:
-        return None
-    n, m = len(engine.params), len(engine.buffers)
-    return [{'params': tensors[:n], 'buffers': tensors[n:n + m], 'optimizer': _with_leaves(state, tensors[n + m:])}
-            for tensors in values]

@@ -102,24 +102,61 @@ def mean(values, encoding, group=None):
 
     .. warning:: A synchronization point: every rank must call it, with the same length and encoding.
     """
-    world = dist.get_world_size(group)
-    length = padded_length(values.numel(), world, encoding)
-    padded = torch.zeros(length, dtype=torch.float32, device=values.device)
-    padded[:values.numel()] = values
-    sent = _encode(padded, encoding)
-    received = [torch.empty_like(part) for part in sent]
-    for out, part in zip(received, sent):  # rank j receives every rank's chunk j, in rank order
-        dist.all_to_all_single(out, part, group=group)
-    chunk = length // world
-    mine = _decode(received, encoding).view(world, chunk)
-    total = mine[0].clone()
-    for r in range(1, world):  # fp32 sums, in rank order
-        total += mine[r]
-    total /= world
-    averaged = _encode(total, encoding)
-    gathered = []
-    for part in averaged:
-        pieces = [torch.empty_like(part) for _ in range(world)]
-        dist.all_gather(pieces, part, group=group)
-        gathered.append(torch.cat(pieces))
-    return _decode(gathered, encoding)[:values.numel()]
+    return PendingMean(values, encoding, group).wait()
+
+
+class PendingMean:
+    """:func:`mean` in flight: its collectives posted with ``async_op=True``, to overlap computation.
+
+    Construction posts the all-to-all; :meth:`advance` waits for it, adds the chunk this rank owns and
+    posts the all-gather; :meth:`wait` advances if needed and returns the mean. Every rank must call
+    them at the same points (the same step), so that the ranks' collectives match in order.
+
+    Args:
+        values (torch.Tensor): 1-D floating, this rank's values, the same length on every rank
+        encoding (str): ``'fp16'``, ``'bf16'`` or ``'int8'``
+        group (ProcessGroup): the group; the default one if None
+    """
+
+    def __init__(self, values, encoding, group=None):
+        self.encoding, self.group, self.numel = encoding, group, values.numel()
+        self.world = dist.get_world_size(group)
+        length = padded_length(values.numel(), self.world, encoding)
+        padded = torch.zeros(length, dtype=torch.float32, device=values.device)
+        padded[:values.numel()] = values
+        sent = _encode(padded, encoding)
+        self.received = [torch.empty_like(part) for part in sent]
+        # rank j receives every rank's chunk j, in rank order
+        self.works = [dist.all_to_all_single(out, part, group=group, async_op=True)
+                      for out, part in zip(self.received, sent)]
+        self.gathered = None
+        #: Payload bytes handed to the collectives: the encoded vector, as an all-reduce of it would be handed.
+        self.bytes = sum(part.numel() * part.element_size() for part in sent)
+
+    def advance(self):
+        """Wait for the all-to-all, add this rank's chunk in fp32 (in rank order) and post the all-gather."""
+        if self.gathered is not None:
+            return
+        for work in self.works:
+            work.wait()
+        mine = _decode(self.received, self.encoding).view(self.world, -1)
+        total = mine[0].clone()
+        for r in range(1, self.world):
+            total += mine[r]
+        total /= self.world
+        self.gathered, self.works = [], []
+        for part in _encode(total, self.encoding):
+            pieces = [torch.empty_like(part) for _ in range(self.world)]
+            self.works.append(dist.all_gather(pieces, part, group=self.group, async_op=True))
+            self.gathered.append(pieces)
+
+    def wait(self):
+        """The mean, once every collective has completed.
+
+        Returns:
+            torch.Tensor: 1-D float32, the mean over ranks
+        """
+        self.advance()
+        for work in self.works:
+            work.wait()
+        return _decode([torch.cat(pieces) for pieces in self.gathered], self.encoding)[:self.numel]
