@@ -1,10 +1,10 @@
 """Global epoch metrics and predictions: every rank reports the figures of the union of all ranks' samples.
 
-The aggregation itself lives in :mod:`torchbearer_dist.callbacks._aggregators`; this module holds the callback
-that installs it, counts samples, drops a padding sampler's repeats and gathers predictions.
+The aggregation itself lives in the metric nodes that :mod:`torchbearer_dist.callbacks._metric_tree` places in
+the Trial's metric tree; this module holds the callback that installs them, counts samples, drops a padding
+sampler's repeats (:mod:`torchbearer_dist.callbacks._batches`) and gathers predictions.
 """
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,66 +14,16 @@ from torchbearer import Callback
 from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
 from torchbearer_dist import _torchbearer
-from torchbearer_dist.callbacks import _aggregators
+from torchbearer_dist.callbacks import _aggregators, _metric_tree
+from torchbearer_dist.callbacks._batches import batch_size, padding_sampler, trim
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
-from torchbearer_dist.data import distributed_samplers
 from torchbearer_dist.runtime.env import current_env
 from torchbearer_dist.sync import collectives, gather
-
-
-def _leading(value):
-    if isinstance(value, torch.Tensor):
-        return value.size(0) if value.dim() > 0 else None
-    if isinstance(value, (list, tuple)) and value:
-        return _leading(value[0])
-    if isinstance(value, dict) and value:
-        return _leading(next(iter(value.values())))
-    return None
-
-
-def batch_size(state):
-    """The number of samples of the current batch: the first dimension of the targets, else of the inputs.
-
-    Inputs and targets may be tensors, or lists, tuples or dicts of them (the first entry counts).
-    """
-    for key in (torchbearer.Y_TRUE, torchbearer.X):
-        n = _leading(state.get(key))
-        if n is not None:
-            return n
-    return 1
-
-
-def _trim(value, keep):
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return value[:keep]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_trim(v, keep) for v in value)
-    if isinstance(value, dict):
-        return {k: _trim(v, keep) for k, v in value.items()}
-    return value
 
 
 def _predicting(callbacks):
     """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
     return any(isinstance(injected, AggregatePredictions) for injected in _torchbearer.injections(callbacks))
-
-
-def _padding_sampler(loader):
-    """The DistributedSampler whose padding ReduceMetrics drops, or None; warns once per pass if it cannot tell.
-
-    With several samplers (a wrapper that zips loaders) a batch mixes their shards, and which of its
-    samples are padding cannot be told from the batch: none is dropped, and rank 0 warns when some is.
-    """
-    samplers = [s for s in distributed_samplers(loader) if isinstance(s, DistributedSampler)]
-    if len(samplers) <= 1:
-        return samplers[0] if samplers else None
-    padded = [s for s in samplers if not s.drop_last and len(s.dataset) % s.num_replicas]
-    if padded and collectives.rank() == 0:
-        warnings.warn('the loader holds {} DistributedSamplers, so ReduceMetrics cannot tell which samples of a batch '
-                      'are the padding a sampler repeats: they count twice; give each dataset a length divisible by '
-                      'the number of ranks ({}), or pass drop_last=True to the samplers'.format(
-                          len(samplers), samplers[0].num_replicas), stacklevel=3)
-    return None
 
 
 def reduce_metric(reduction):
@@ -225,7 +175,7 @@ class ReduceMetrics(Callback):
     def _start_pass(self, state, training):
         self._pass.training, self._pass.samples = training, 0
         self._pass.start(state.get(torchbearer.SELF))
-        _aggregators.globalize(state[torchbearer.METRIC_LIST], self._pass)
+        _metric_tree.globalize(state[torchbearer.METRIC_LIST], self._pass)
         self._stop_scaling()
         if self._summed:  # appended for the pass, after every callback (an @add_to_loss term included)
             self._scaler = self._scaler or _ScaleSummedLoss(float(collectives.world_size()))
@@ -266,7 +216,7 @@ class ReduceMetrics(Callback):
             _check_in('predict' if self._predicting else 'evaluate')
         self._start_pass(state, False)
         self._remaining = None
-        self._sampler = _padding_sampler(state.get(torchbearer.GENERATOR))
+        self._sampler = padding_sampler(state.get(torchbearer.GENERATOR))
         if isinstance(self._sampler, DistributedSampler) and not self._sampler.drop_last:
             total = len(self._sampler.dataset)
             self._remaining = len(range(self._sampler.rank, total, self._sampler.num_replicas))
@@ -279,7 +229,7 @@ class ReduceMetrics(Callback):
             if keep < n:
                 for key in (torchbearer.X, torchbearer.Y_TRUE):
                     if key in state:
-                        state[key] = _trim(state[key], keep)
+                        state[key] = trim(state[key], keep)
                 n = keep
         self._pass.batch, self._pass.count = self._weight(n), n
         self._pass.samples += n
