@@ -1,12 +1,10 @@
-"""Why a rank stopped: a structured cause published through the store, and read back by the peers.
+"""The causes of a rank's stop, in words, and how they travel: published once in the store, read by the others.
 
-gloo reports a dead peer as "Connection closed by peer" and a silent one as "Timed out waiting ...",
-never naming the rank or its error. Here the first rank to fail publishes a :class:`Cause` (its rank,
-the exception type and whether it was a ``local`` error, a ``peer`` that died or the ``network``)
-under one key of the job's store; every other rank reads it back, so the whole job ends naming one
-root cause. The kind is decided by facts (what was caught, where it was raised, what the heartbeat
-saw), never by searching the message for words such as "timed out": a rank's own ``DataLoader timed
-out`` is a local error of that rank, not a dead host.
+gloo says "Connection closed by peer" or "Timed out waiting ...", never naming the rank or its error. A
+:class:`Cause` says which rank, what happened (``local``: its own error, ``peer``: it died or left,
+``network``: it fell silent) and the sentence every rank reports. Which cause wins is decided by
+:func:`~torchbearer_dist.runtime._decision.decide`, from facts: what was caught and where it was raised
+(:func:`is_collective_error`), never the message's words (a rank's own ``DataLoader timed out`` is its own).
 """
 import json
 import os
@@ -17,10 +15,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _peers, _verdict
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
-_SHORT = timedelta(seconds=2)
+_SHORT = timedelta(seconds=Timing.STORE_CALL)
 
 
 @dataclass(frozen=True)
@@ -59,23 +58,15 @@ class Cause:
         return cls(**json.loads(text))
 
 
-def describe(error):
-    """One line for an exception: ``Type: first line of its message``.
-
-    Args:
-        error (BaseException): the exception
-
-    Returns:
-        str: e.g. ``'ValueError: bad batch'``
-    """
-    text = str(error).strip().splitlines()
-    return '{}: {}'.format(type(error).__name__, text[0]) if text else type(error).__name__
-
-
 def own_cause(rank, error):
     """The :class:`Cause` for ``error`` raised by this rank's own code."""
     text = str(error).strip().splitlines()
     return Cause(rank, LOCAL, type(error).__name__, text[0] if text else '')
+
+
+def describe(error):
+    """One line for an exception, e.g. ``'ValueError: bad batch'``: its type and its message's first line."""
+    return own_cause(0, error).line()[len('rank 0 failed: '):]
 
 
 _TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
@@ -114,14 +105,7 @@ def _is_timeout(error, silence, limit):
 
 
 def publish(store, cause):
-    """Record ``cause`` in the store, unless another rank's cause is already there.
-
-    Args:
-        store (torch.distributed.Store): the job's store
-        cause (Cause): what ended the job
-    """
-    if store is None:
-        return
+    """Record ``cause`` in the job's ``store``, unless another rank's cause is already there."""
     try:
         store.set_timeout(_SHORT)
         store.compare_set('error', '', cause.to_json())
@@ -129,7 +113,7 @@ def publish(store, cause):
         pass
 
 
-def wait_until_read(store, world_size, seconds=3.0, skip=None):
+def wait_until_read(store, world_size, seconds=Timing.READERS, skip=None):
     """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
     read the cause, so that they can report it before the store goes away with this process.
 
@@ -150,18 +134,10 @@ def wait_until_read(store, world_size, seconds=3.0, skip=None):
 
 
 def read_cause(store, wait=0.0, deaths=True, reader=None):
-    """Poll the store for up to ``wait`` s: the published cause, or (with ``deaths``) one naming a peer
-    of this machine that died without publishing one.
-
-    Args:
-        reader (int): this rank, marked in the store as having read the cause (see :func:`wait_until_read`)
-
-    Returns:
-        Cause or None: None when neither appears
-
-    Raises:
-        Exception: the store itself stopped answering
-    """
+    """``(cause, dead)``: the published :class:`Cause` (or None) and the local peers seen dead, polling up to
+    ``wait`` s; with ``deaths`` a dead peer ends the poll (a rank publishes before it exits: the key is read
+    first). ``reader``, this rank, is marked as having read it (see :func:`wait_until_read`). Raises what
+    the store raises when it stops answering."""
     store.set_timeout(_SHORT)
     deadline = time.monotonic() + wait
     while True:
@@ -170,11 +146,9 @@ def read_cause(store, wait=0.0, deaths=True, reader=None):
             cause = Cause.from_json(store.get('error').decode())
             if reader is not None:
                 store.set('error_seen/{}'.format(reader), '1')
-            return cause
-        if dead:  # checked after the key: a rank publishes before it exits
-            return died(dead)
-        if time.monotonic() > deadline:
-            return None
+            return cause, dead
+        if dead or time.monotonic() > deadline:
+            return None, dead
         time.sleep(0.05)
 
 
@@ -223,24 +197,12 @@ def frozen(rank, seconds, limit):
 
 
 def cause_of(verdict, env):
-    """The :class:`Cause` for a heartbeat's :class:`~torchbearer_dist.runtime._verdict.Verdict`.
-
-    Args:
-        verdict (Verdict): what the heartbeat judged
-        env (DistEnv): this process's place in the job
-
-    Returns:
-        Cause or None: None for a cause another rank published (read it from the store)
-    """
-    if verdict.kind == _verdict.PUBLISHED:
-        return None
-    if verdict.kind == _verdict.FROZEN:
-        return frozen(verdict.rank, verdict.seconds, env.meet_timeout.total_seconds())
-    if verdict.kind == _verdict.DIED:
-        return died([verdict.rank])
-    if verdict.kind == _verdict.MASTER_SILENT:
-        return master_silent(env, verdict.seconds)
-    return no_heartbeat(verdict.rank, verdict.seconds)
+    """The :class:`Cause` for a heartbeat's :class:`~torchbearer_dist.runtime._verdict.Verdict` in ``env``;
+    None for a cause another rank published (read it from the store)."""
+    return {_verdict.PUBLISHED: lambda: None, _verdict.DIED: lambda: died([verdict.rank]),
+            _verdict.FROZEN: lambda: frozen(verdict.rank, verdict.seconds, env.meet_timeout.total_seconds()),
+            _verdict.MASTER_SILENT: lambda: master_silent(env, verdict.seconds)}.get(
+                verdict.kind, lambda: no_heartbeat(verdict.rank, verdict.seconds))()
 
 
 def is_guess(cause):
@@ -249,46 +211,8 @@ def is_guess(cause):
     return cause.kind == NETWORK or cause.guess
 
 
-_CLOSED = 'closed its connection without reporting an error'
-
-
-def diagnose(store, env, error, silence=None):
-    """Explain what ``error`` means for the job: this rank's own failure, or another rank's.
-
-    A collective error is explained by the cause another rank published (waited for at most 3 s),
-    by a peer of this machine that died, or, failing both, by how the collective failed (a peer fell
-    silent, torch's timeout error or the heartbeat's ``silence`` says; else a peer left, closing its
-    connection). Anything else is this rank's own error.
-
-    Args:
-        store (torch.distributed.Store): the job's store
-        env (DistEnv): this process's place in the job
-        error (BaseException): what this rank caught
-        silence (float): seconds the heartbeat last saw a watched peer's beat unchanged
-            (:meth:`~torchbearer_dist.runtime._watchdog.Watchdog.silence`); None without a heartbeat
-
-    Returns:
-        tuple: ``(cause, own)``: the :class:`Cause` to report, and whether it is this rank's own
-    """
-    if not is_collective_error(error):
-        return own_cause(env.rank, error), True
-    timed_out = _is_timeout(error, silence, env.meet_timeout.total_seconds())
-    reachable = 'ok' if env.rank == 0 else _peers.probe(env.host, env.port)
-    if reachable == 'refused':
-        return master_gone(env), False
-    if reachable == 'ok':  # a store call to a silent host could block past any timeout
-        try:
-            # After a timeout the peer was silent for that long: whatever it did since is no cause.
-            cause = read_cause(store, 1.0 if timed_out else 3.0, deaths=not timed_out, reader=env.rank)
-            if cause is not None:
-                return cause, cause.rank == env.rank and cause.kind == LOCAL
-        except Exception:  # the store stopped answering: it lives in rank 0
-            if env.rank != 0 and not timed_out:
-                return master_gone(env), False
-    others = [r for r in range(env.world_size) if r != env.rank]
-    who = others[0] if len(others) == 1 else 'a peer rank'
-    if timed_out:
-        return silent(env, who, env.timeout.total_seconds()), False
-    return Cause(who if isinstance(who, int) else -1, PEER, '', ('{} ' + _CLOSED + ': it exited or was killed; '
-                 'see its log').format(
-                     'rank {}'.format(who) if isinstance(who, int) else who), guess=True), False
+def closed(who):
+    """The :class:`Cause` guessed for a collective whose peer ``who`` (a rank, or words) closed its connection."""
+    return Cause(who if isinstance(who, int) else -1, PEER, '', '{} closed its connection without reporting an '
+                 'error: it exited or was killed; see its log'.format(
+                     'rank {}'.format(who) if isinstance(who, int) else who), guess=True)

@@ -1,23 +1,16 @@
 """The fallback that wakes ranks blocked in a gloo collective: shut down gloo's own connections.
 
-No public torch call does this job for gloo (``python benchmarks/peer_wakeup.py``, torch 2.14.1: a
-rank blocked in an all_reduce its peer never joins waits the whole process-group timeout after the
-peer's ``ProcessGroup.abort()`` or ``shutdown()``, and after its ``destroy_process_group()`` where a
-Work object still holds the group; from a helper thread of the blocked rank itself, neither wakes its
-main thread). So :func:`destroy_process_group` is used first, and this module only where something
-still holds the group (a pending all-reduce referenced from a traceback), and to wake this rank's own
-main thread when the watchdog finds a peer silent.
+No public torch call does this for gloo (``python benchmarks/peer_wakeup.py``, torch 2.14.1): a rank blocked in
+an all_reduce its peer never joins waits the whole timeout after the peer's ``abort()``, ``shutdown()``, or
+``destroy_process_group()`` where a Work object still holds the group, and neither call from a helper thread
+of the blocked rank wakes its main thread. So ``destroy_process_group`` comes first, and this module only where
+something still holds the group, and to wake this rank's own main thread when the heartbeat judged a failure.
 
-gloo's sockets are identified positively, not by when they were opened: gloo publishes each rank's
-listening address in the store (``<group>//cpu//0/<rank>``, see :func:`published`); a socket of this
-process is gloo's exactly when its local address is this rank's (an accepted connection) or its
-remote address is another rank's (one this rank made). The store, and anything else the process has
-open (wandb, TensorBoard), never matches. The published address is checked against this process's
-own listening socket; on any mismatch, or off Linux, this module does nothing. These key names and
-layout are private to c10d and gloo, hence one module. When they are not found, :func:`endpoints`
-warns once (:data:`LOST`): the guarantee lost is that a rank blocked in a gloo collective wakes
-within seconds of a peer falling silent. ``tests/runtime/test_private_gloo.py`` fails on the pinned
-torch if the layout moved.
+gloo's sockets are identified positively: gloo publishes each rank's listening address in the store
+(``<group>//cpu//0/<rank>``, see :func:`published`); a socket of this process is gloo's exactly when its local
+address is this rank's or its remote address another rank's. The store and anything else never match; on any
+mismatch, or off Linux, this does nothing. The layout is private to c10d and gloo: where it is not found,
+:func:`endpoints` warns once (:data:`LOST`), and ``tests/runtime/test_private_gloo.py`` fails on the pinned torch.
 """
 import os
 import socket
@@ -54,12 +47,8 @@ def _plain(ip):
 
 
 def _sockets():
-    """``[(fd, inode, local (ip, port), remote (ip, port), or None for a listening socket)]`` for this
-    process's TCP sockets (a socket neither listening nor connected is left out).
-
-    Asked of each socket itself (``getsockname``, ``getpeername``) rather than read from
-    ``/proc/net/tcp``, which can skip rows while other sockets come and go.
-    """
+    """``[(fd, inode, local (ip, port), remote (ip, port) or None when listening)]`` for this process's TCP
+    sockets, asked of each socket (``/proc/net/tcp`` can skip rows while other sockets come and go)."""
     found = []
     for inode, fd in sorted(_own_sockets().items(), key=lambda item: item[1]):
         try:
@@ -100,17 +89,8 @@ def _own_sockets():
 
 
 def endpoints(store, group_name, rank, world_size):
-    """Every rank's gloo listening address, read from the store right after the group was made.
-
-    Args:
-        store (torch.distributed.Store): the store the process group was given
-        group_name (str): the group's name (``'0'`` for the default group)
-        rank (int): this rank
-        world_size (int): ranks in the group
-
-    Returns:
-        list or None: ``(ip, port)`` per rank, or None when they cannot be read or do not check out
-    """
+    """Every rank's gloo listening address ``(ip, port)``, read from the group's ``store`` right after the group
+    ``group_name`` was made; None when they cannot be read or do not match this process's listening socket."""
     try:
         values = [store.get('{}//cpu//0/{}'.format(group_name, other)) for other in range(world_size)]
     except Exception:
@@ -123,18 +103,10 @@ def endpoints(store, group_name, rank, world_size):
 
 
 def published(value):
-    """``(ip, port)`` of the listening address in one rank's value of ``<group>//cpu//0/<rank>``.
+    """``(ip, port)`` of the listening address in one rank's ``value`` of ``<group>//cpu//0/<rank>``, or None.
 
-    gloo writes the rank's host name and then its address, each after its length as an 8-byte
-    little-endian integer; the address starts with a ``sockaddr``. The host name's length varies
-    from machine to machine, so the address has no fixed offset (byte 18 after a host named ``vm``,
-    byte 21 after ``node1``).
-
-    Args:
-        value (bytes): what the store holds under the key
-
-    Returns:
-        tuple or None: ``(ip, port)``, or None when the value does not have that layout
+    gloo writes the host name and then the address (a ``sockaddr`` first), each after its length as an 8-byte
+    little-endian integer: the address has no fixed offset (byte 18 after a host named ``vm``, 21 after ``node1``).
     """
     value = bytes(value)
     if len(value) < 8:
@@ -165,14 +137,8 @@ def connections(addresses, rank):
 
 
 def store_connections(host, port):
-    """This process's connections to the store at ``host:port`` (the main thread's, before the heartbeat's).
-
-    Gloo waits for its peers' addresses inside a store call that nothing else can interrupt; shutting
-    these connections down makes that call fail now.
-
-    Returns:
-        list: ``(file descriptor, socket inode)`` pairs
-    """
+    """``[(fd, socket inode)]`` of this process's connections to the store at ``host:port``: shut down, they fail
+    a store call that nothing else interrupts (gloo waiting for its peers' addresses, the handshake)."""
     try:
         addresses = set(_plain(info[4][0]) for info in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
     except OSError:

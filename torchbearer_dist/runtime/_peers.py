@@ -1,17 +1,15 @@
 """Where the other ranks run, and whether a peer of this machine has died.
 
-Each rank publishes an identity at the handshake: host name, boot id, pid namespace, pid and the
-process's start time. A peer counts as "of this machine" only when the boot id and the pid
-namespace match ours, so that its pid means the same process here; it counts as dead when that pid
-is gone, is a zombie, or now belongs to a process that started at another time (the pid was
-reused). Each check reads one ``/proc/<pid>/stat`` per local peer: bounded by the world size. What
-was read of the peers belongs to the live group (``group._LiveGroup.peers``, found through
-``env._live``), not to this module.
+Each rank publishes an identity at the handshake: host name, boot id, pid namespace, pid and start
+time. A peer is "of this machine" when boot id and pid namespace match ours (its pid means the same
+process here), and dead when that pid is gone, a zombie, or a process started at another time (reused).
+One ``/proc/<pid>/stat`` per local peer; what was read belongs to the live group (``env._live.peers``).
 """
 import os
 import socket
 
 from torchbearer_dist.runtime import env
+from torchbearer_dist.runtime._timing import Timing
 
 
 def _read(path):
@@ -39,27 +37,15 @@ def _namespace():
 
 
 def identity():
-    """This process's identity as published to the peers: ``host boot pidns pid start``.
-
-    Returns:
-        str: five space-free fields
-    """
+    """This process's identity as published to the peers: ``host boot pidns pid start``, five space-free fields."""
     state = _start_time(os.getpid())
     return ' '.join([socket.gethostname() or '-', _read('/proc/sys/kernel/random/boot_id') or '-',
                      _namespace().replace(' ', '') or '-', str(os.getpid()), state[1] if state else '-'])
 
 
 def local_peers(store, rank, world_size):
-    """Every other rank of this machine, read once from the store after the handshake.
-
-    Args:
-        store (torch.distributed.Store): the job's store
-        rank (int): this rank
-        world_size (int): ranks in the job
-
-    Returns:
-        dict: ``{rank: (pid, start time)}`` of the ranks whose pid means the same process here
-    """
+    """``{rank: (pid, start time)}`` of every other rank of this machine (whose pid means the same process
+    here), read once from the job's ``store`` after the handshake."""
     peers, mine = {}, identity().split()
     for other in range(world_size):
         if other == rank:
@@ -74,14 +60,8 @@ def local_peers(store, rank, world_size):
 
 
 def dead_local_ranks(peers=None):
-    """Ranks of this machine whose process is gone (or a zombie); pid reuse is told by start time.
-
-    Args:
-        peers (dict): what :func:`local_peers` returned; by default the live process group's
-
-    Returns:
-        list: rank numbers, ascending
-    """
+    """Ranks of this machine, ascending, whose process is gone (or a zombie; pid reuse is told by start time),
+    of ``peers`` (what :func:`local_peers` returned; by default the live group's)."""
     if peers is None:
         peers = env._live.peers if env._live is not None else {}
     dead = []
@@ -95,7 +75,7 @@ def dead_local_ranks(peers=None):
 def probe(host, port):
     """``'ok'``, ``'refused'`` or ``'silent'``: whether the master's store still accepts connections."""
     try:
-        with socket.create_connection((host, port), timeout=1.0):
+        with socket.create_connection((host, port), timeout=Timing.PROBE):
             return 'ok'
     except ConnectionRefusedError:
         return 'refused'

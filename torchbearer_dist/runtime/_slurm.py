@@ -27,22 +27,13 @@ def _expand_range(text, hostlist):
 
 
 def hostnames(hostlist):
-    """Expand a SLURM host list such as ``'node[01-04,07],gpu[1-2]-ib'`` as ``scontrol show hostnames`` does.
+    """The host names of a SLURM host list such as ``'node[01-04,07],gpu[1-2]-ib'``, as ``scontrol show
+    hostnames`` gives them; ValueError naming a malformed list.
 
-    Items are separated by commas or blanks outside brackets; a range keeps the width of its low
-    end (``[08-11]``: ``08 09 10 11``); duplicates and order are kept. A name with several bracket
-    groups expands in ``scontrol``'s order: the last group fastest, then the first, the second, ...
-    Text after the last bracket (``gpu[1-2]-ib``) is kept as a suffix, as newer SLURM releases do.
-
-    Args:
-        hostlist (str): the value of ``SLURM_STEP_NODELIST`` or ``SLURM_JOB_NODELIST``
-
-    Returns:
-        list: the host names, in order
-
-    Raises:
-        ValueError: a malformed list, naming it
-    """
+    Items are separated by commas or blanks outside brackets; a range keeps the width of its low end
+    (``[08-11]``: ``08 09 10 11``); duplicates and order are kept; several bracket groups expand in
+    ``scontrol``'s order (the last fastest, then the first, the second, ...); text after the last bracket
+    is a suffix, as newer SLURM releases keep it."""
     names = []
     for item in re.split(r'[,\s]+(?![^\[]*\])', hostlist.strip()):
         if not item:

@@ -1,8 +1,6 @@
-"""How :func:`~torchbearer_dist.launch` watches its ranks: results, the first failure, a frozen last rank.
-
-Private to the launcher: each rank's stderr passed on and its last lines kept; the loop that
-collects every rank's report, stops the others after the first failure, names the root cause
-rather than a peer it broke, and stops a rank left alone that uses no CPU (frozen).
+"""How :func:`~torchbearer_dist.launch` watches its ranks: each rank's stderr passed on and its last lines kept;
+the loop that collects the reports, stops the others after the first failure, names the root cause (as
+:func:`~torchbearer_dist.runtime._decision.first_failure` decides), and stops a frozen last rank.
 """
 import collections
 import os
@@ -15,6 +13,8 @@ from multiprocessing import connection, resource_tracker, util
 
 from torchbearer_dist._once import warn_once
 from torchbearer_dist.runtime import errors, interrupts
+from torchbearer_dist.runtime._decision import first_failure
+from torchbearer_dist.runtime._timing import Timing
 
 #: What is lost when multiprocessing's finalizers moved (see :func:`release_multiprocessing_objects`).
 LOST = ("multiprocessing.util._run_finalizers is gone from this Python: a rank that fails exits without "
@@ -39,16 +39,10 @@ def _collect(pipes, reports):
 
 
 def release_multiprocessing_objects():
-    """Run the finalizers that multiprocessing runs first when a process it started exits: they unlink
-    the process's named semaphores (a ``Lock``, a ``Queue``'s, tqdm's write lock) and tell the resource
-    tracker so.
-
-    For a rank that ends with ``os._exit`` after reporting its error, which skips them: the tracker,
-    shared with the launcher, would otherwise warn of a leaked semaphore when the launcher's program
-    exits, after the launcher's one-line cause. Only the finalizers with an exit priority run, not the
-    joins of child processes and threads that a normal exit also waits for and a failed rank may never
-    see end.
-    """
+    """Run multiprocessing's exit finalizers with a priority (not the joins a normal exit also waits for): they
+    unlink the process's named semaphores (a ``Lock``, tqdm's write lock) and tell the resource tracker. For
+    a rank that ends with ``os._exit``, which skips them: the tracker, shared with the launcher, would warn
+    of a leaked semaphore after the launcher's one-line cause."""
     run = getattr(util, '_run_finalizers', None)  # private: the function multiprocessing's own exit calls
     if run is None:
         warn_once(LOST)
@@ -107,12 +101,9 @@ class StderrTail:
         self.lines, self._threads = {}, []
 
     def start(self, rank, make_process, as_argument=False):
-        """Start ``make_process(write_end)``, rank ``rank``'s process, with its stderr on a pipe read here.
-
-        ``as_argument``: the write end is passed as a Connection, for a forkserver's rank (it does not
-        inherit fd 2); otherwise it is this process's fd 2 while the rank starts, so that even an error
-        before the rank's code runs (unpickling its function) is caught.
-        """
+        """Start ``make_process(write_end)``, rank ``rank``'s process, with its stderr on a pipe read here: passed
+        as a Connection ``as_argument`` (a forkserver's rank does not inherit fd 2), else this process's fd 2
+        while the rank starts, so that even an error before its code runs (unpickling its function) is caught."""
         read_end, write_end = os.pipe()
         if as_argument:
             write_end = connection.Connection(write_end, readable=False)
@@ -174,11 +165,8 @@ def _stat(pid):
 
 
 class _Idle:
-    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds.
-
-    A rank that goes on working once the others have ended (rank-0-only work) uses CPU time and is
-    left alone; one that is frozen (SIGSTOP) or stuck waiting for peers that have gone uses none.
-    """
+    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds: one that
+    goes on working (rank-0-only work) uses CPU time; one frozen or waiting for gone peers uses none."""
 
     def __init__(self, bound):
         self.bound, self.marks = bound, {}
@@ -190,7 +178,7 @@ class _Idle:
             self.marks[rank] = (now, cpu)
             return False
         # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
-        return now - since > self.bound - (3.0 if state in ('T', 't') else 0.0)
+        return now - since > self.bound - (Timing.STOPPED_EARLY if state in ('T', 't') else 0.0)
 
 
 def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
@@ -231,19 +219,18 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
     results = {rank: report[1] for rank, report in reports.items() if report is not None and report[0] == 'ok'}
     if len(results) == len(processes):
         return [results[r] for r in range(len(processes))]
-    died = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
-    if died and all(processes[r].exitcode == interrupts.EXIT_PREEMPTED for r in range(len(processes))
-                    if r not in results):
+    states = [_state(reports.get(r)) for r in range(len(processes))]
+    rank = first_failure(states, [p.exitcode for p in processes], interrupts.EXIT_PREEMPTED)
+    if rank is None:
         raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
     stop(processes, grace)
-    own = [r for r, rep in sorted(reports.items()) if rep is not None and rep[0] == 'error' and not _peer_failure(rep)]
-    peer = [r for r, rep in sorted(reports.items()) if _peer_failure(rep)]
-    rank = (own + [r for r in died if reports.get(r) is None] + peer + [r for r in range(len(processes))
-                                                                        if r not in results])[0]
     if reports.get(rank) is None:
         stderr.drain()
     raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank))
 
 
-def _peer_failure(report):
-    return report is not None and report[0] == 'error' and isinstance(report[3], errors.PeerFailedError)
+def _state(report):
+    """What a rank's report says, as :func:`~torchbearer_dist.runtime._decision.first_failure` reads it."""
+    if report is None or report[0] == 'ok':
+        return None if report is None else 'ok'
+    return 'peer' if isinstance(report[3], errors.PeerFailedError) else 'own'

@@ -1,27 +1,19 @@
 """Notice a dead or silent peer in seconds, whatever the collective timeout.
 
-A helper thread of each rank beats a counter in the job's store every second (four times per
-rendezvous timeout where that is shorter than 4 s), over its own store connection. Rank 0 watches
-every rank's counter, the others watch rank 0's and the store itself. A counter seen unchanged for
-the rendezvous timeout, or a store that stops answering, ends the job with a ``network`` (or
-``peer``) cause; a cause published by any rank ends it too. Ending means: publish
-the cause, then wake this rank's main thread from the collective it is blocked in (a callback given
-by :mod:`torchbearer_dist.runtime.group`). The collective timeout can therefore be long, as torch's is: a
-rank busy for minutes between collectives (rank-0-only work) keeps beating and is never mistaken
-for a dead one.
-
-A rank that did not run for a while (stopped by Ctrl-Z or ``kill -STOP``, its machine paused, its
-main thread holding the GIL in one native call) judges nobody by what it read before: when the pause
-outlasted the rendezvous timeout, what it then finds wrong is its own pause, and it says so.
+A helper thread of each rank beats a counter in the job's store (:class:`~._timing.Timing`'s ``beat``) over
+its own connection, from before the handshake. Rank 0 watches every rank's counter once all have joined,
+the others rank 0's and the store itself. A counter unchanged for the rendezvous timeout, a store that
+stops answering or a cause published by any rank is judged by :func:`~._verdict.judge` and handed to the
+live group, which publishes it and wakes the main thread. A rank busy for minutes between collectives
+keeps beating, so the collective timeout can stay long, as torch's is; a rank that did not run for a
+while judges nobody by what it read before, and names its own pause when it outlasted the timeout.
 """
 import threading
 import time
+from dataclasses import replace
 
 from torchbearer_dist.runtime import _diagnosis, _verdict
-
-_INTERVAL = 1.0
-#: Beats per rendezvous timeout, at least: a beat that falls late under load is not yet a silence.
-_BEATS_PER_LIMIT = 4
+from torchbearer_dist.runtime._timing import Timing
 
 
 class Watchdog:
@@ -37,19 +29,22 @@ class Watchdog:
         on_failure (callable): called once, from a thread, with the :class:`~_diagnosis.Cause` (None
             when another rank's cause is already in the store) and whether the store still answers,
             so that the cause can be published there
-        interval (float): seconds between beats, at most; shorter where the rendezvous timeout is
-            under :data:`_BEATS_PER_LIMIT` of them
+        interval (float): seconds between beats, at most; by default :class:`~._timing.Timing`'s ``beat``
         dead_ranks (callable): the local peer ranks whose process is gone (the live group passes
             :func:`torchbearer_dist.runtime._peers.dead_local_ranks` of its peers); by default none
+        peers (bool): watch the other ranks' beats from the start; False (from before the handshake, when
+            they may not beat yet) watches only that the store answers, until :meth:`watch_peers`
     """
 
-    def __init__(self, env, store, on_failure, interval=_INTERVAL, dead_ranks=None):
-        limit = env.meet_timeout.total_seconds()
+    def __init__(self, env, store, on_failure, interval=None, dead_ranks=None, peers=True):
+        timing = Timing.of(env)
+        limit = timing.limit
         self.env, self.store, self.on_failure = env, store, on_failure
-        self.interval = min(interval, limit / _BEATS_PER_LIMIT)
+        self.interval = timing.beat if interval is None else min(interval, timing.beat)
         self._dead_ranks = dead_ranks or frozenset
         watched = range(env.world_size) if env.rank == 0 else [0]
-        self.limits = _verdict.Limits(env.rank, tuple(r for r in watched if r != env.rank), limit)
+        self._peers = tuple(r for r in watched if r != env.rank)
+        self.limits = _verdict.Limits(env.rank, self._peers if peers else (), limit)
         now = time.monotonic()
         self._seen = _verdict.Sample(now, now)  # the last store round that succeeded
         self._failed = (float('-inf'), 0)  # when a store round last failed, and how many in a row
@@ -65,10 +60,8 @@ class Watchdog:
         return self
 
     def stop(self, wait=0.5):
-        """Stop both threads, waiting ``wait`` seconds at most; :meth:`join` waits for the rest.
-
-        A failing rank reports its cause without waiting for a store call blocked on a silent host.
-        """
+        """Stop both threads, waiting ``wait`` seconds at most (not for a store call blocked on a silent host);
+        :meth:`join` waits for the rest."""
         self._stop.set()
         self.join(wait)
 
@@ -77,17 +70,9 @@ class Watchdog:
         return any(thread.is_alive() for thread in self._threads)
 
     def join(self, seconds=None):
-        """Wait until both threads have ended, that is until a store call in flight has returned.
-
-        A daemon thread still inside a torch call when the interpreter finalizes aborts the whole
-        process as that call returns ("terminate called without an active exception", exit code
-        134: pytest itself aborted so when only :meth:`stop` waited, see tests/runtime/test_group_safety.py). The
-        wait is bounded by the store's own timeout: only a call to a silent host that never returns
-        is left behind.
-
-        Args:
-            seconds (float): the most to wait for each thread; by default that bound
-        """
+        """Wait until both threads have ended, a store call in flight returned: a daemon thread still inside a
+        torch call when the interpreter finalizes aborts the process (exit 134). By default bounded by the
+        store's own timeout, a beat and a second; ``seconds`` for each thread otherwise."""
         if seconds is None:
             seconds = self.store.timeout.total_seconds() + self.interval + 1.0
         for thread in self._threads:
@@ -109,9 +94,14 @@ class Watchdog:
         :func:`~torchbearer_dist.runtime._verdict.silence`): how a collective failed, from the heartbeat."""
         return _verdict.silence(self._memory, time.monotonic())
 
+    def watch_peers(self):
+        """Watch the other ranks' beats from now on (rank 0 every rank's, the others rank 0's): they all joined."""
+        self.limits = replace(self.limits, watched=self._peers)
+
     def _beat(self):
-        store, keys = self.store, ['hb/{}'.format(r) for r in self.limits.watched]
+        store = self.store
         while not self._stop.wait(self.interval):
+            keys = ['hb/{}'.format(r) for r in self.limits.watched]  # judged with these limits, or read nothing
             began = time.monotonic()
             try:
                 store.add('hb/{}'.format(self.env.rank), 1)

@@ -277,7 +277,7 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     return env
 
 
-#: The live process group of this process (a ``group._LiveGroup``), or None: the one reference to live
+#: The live process group of this process (a ``_live.LiveGroup``), or None: the one reference to live
 #: state. Only :mod:`~torchbearer_dist.runtime.group` sets it; it lives here, below everything that
 #: reads it (:func:`current_env`, :mod:`._peers`, :mod:`.interrupts`), so that no import goes upward.
 _live = None

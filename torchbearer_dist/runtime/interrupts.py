@@ -14,6 +14,7 @@ import threading
 import time
 
 from torchbearer_dist.runtime import _diagnosis, env
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
 _watch = {'fds': None, 'previous_fd': None, 'previous_handler': None, 'handled': 0}
@@ -27,7 +28,7 @@ def _handler(signum, frame):
     raise KeyboardInterrupt
 
 
-def watch_interrupts(grace=2.0):
+def watch_interrupts(grace=Timing.INTERRUPT_GRACE):
     """Make Ctrl-C stop this rank, and through it the job, even while it is blocked in a collective.
 
     The launcher (:func:`~torchbearer_dist.launch`) turns this on in every rank it starts; a command

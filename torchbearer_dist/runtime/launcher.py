@@ -21,6 +21,7 @@ from multiprocessing import get_context
 import torch
 
 from torchbearer_dist.runtime import _diagnosis, _supervisor, group, interrupts
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 
 _PR_SET_PDEATHSIG = 1
@@ -44,11 +45,8 @@ def die_with_parent(parent_pid):
 
 
 def _die_with_launcher(launcher_pid):
-    """SIGKILL this process when process ``launcher_pid`` exits; exit now if it already has (Linux >= 5.3).
-
-    For a rank of the forkserver, which outlives the launcher while any of its children lives (so
-    ``PR_SET_PDEATHSIG`` would never fire): a daemon thread waits on a pidfd of the launcher.
-    """
+    """SIGKILL this process when process ``launcher_pid`` exits (a daemon thread waits on its pidfd; Linux >= 5.3),
+    or exit now: for a rank of the forkserver, which outlives the launcher, so ``PR_SET_PDEATHSIG`` never fires."""
     try:
         pidfd = os.pidfd_open(launcher_pid)
     except ProcessLookupError:
@@ -124,7 +122,7 @@ def _start_method(fn, start_method):
 
 
 def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, backend=None, timeout=None,
-           deadline=None, grace=3.0, rendezvous_timeout=None, start_method=None):
+           deadline=None, grace=Timing.KILL_GRACE, rendezvous_timeout=None, start_method=None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks, each inside an initialized process group.
 
     The port is picked in the parent. When a rank fails, the others are stopped and that rank's
@@ -212,7 +210,6 @@ def _rank_process(context, rank, child_args, stderr):
 
 
 def _last_rank_bound(timeout, rendezvous_timeout):
-    """Seconds the last rank may sit idle once the others have ended: the ranks' rendezvous timeout, and
-    two beats and a second for their own heartbeat to name a frozen peer first."""
+    """Seconds the last rank may sit idle once the others have ended (:class:`~._timing.Timing`'s ``last_rank``)."""
     env = resolve(rank=0, world_size=1, timeout=timeout, environ={})
-    return with_rendezvous_timeout(env, rendezvous_timeout, os.environ).meet_timeout.total_seconds() + 3.0
+    return Timing.of(with_rendezvous_timeout(env, rendezvous_timeout, os.environ)).last_rank

@@ -21,16 +21,8 @@ def is_loopback(host):
 
 
 def route_interface(host, port=29500):
-    """Name the network interface this machine uses to reach ``host``: a UDP ``connect`` asks the
-    kernel for the route; no packet is sent.
-
-    Args:
-        host (str): address of rank 0
-        port (int): any port; only the route matters
-
-    Returns:
-        str or None: the interface name, e.g. ``'eth0'``, or None when it cannot be told
-    """
+    """The interface (e.g. ``'eth0'``) this machine reaches ``host`` through, or None when it cannot be told:
+    a UDP ``connect`` to any ``port`` asks the kernel for the route; no packet is sent."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
         if family != socket.AF_INET:
@@ -59,11 +51,8 @@ def interface_addresses():
 
 
 def gloo_interface(env, environ):
-    """The interface gloo should use, when ``GLOO_SOCKET_IFNAME`` is unset and several ranks must meet.
-
-    Returns:
-        str or None: ``'lo'`` for a loopback master, the route's interface, or None to leave gloo's choice
-    """
+    """The interface gloo should use where ``GLOO_SOCKET_IFNAME`` is unset and several ranks meet: ``'lo'``
+    for a loopback master, the route's interface, or None to leave gloo's choice."""
     if 'GLOO_SOCKET_IFNAME' in environ or env.world_size == 1 or env.backend != 'gloo':
         return None
     return 'lo' if is_loopback(env.host) else route_interface(env.host, env.port)
@@ -77,15 +66,9 @@ _EXPORT = {'openmpi': ('mpirun', 'mpirun -x MASTER_ADDR=ADDR -x MASTER_PORT=2950
 
 
 def check_not_loopback(env, given):
-    """Fail at once, before any network wait, where a job spans machines but would meet at a loopback address.
-
-    Args:
-        env (DistEnv): this process's place in the job, with the launcher's count of ranks on this machine
-        given (bool): whether the address was given (``--host``, ``MASTER_ADDR``) rather than defaulted
-
-    Raises:
-        RuntimeError: one line saying how this launcher hands every rank rank 0's address
-    """
+    """Fail at once, before any network wait, where a job spans machines but would meet at a loopback address
+    (``given``: by ``--host`` or ``MASTER_ADDR``, not by default): one RuntimeError line saying how this
+    launcher hands every rank rank 0's address."""
     if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None:
         return
     if not is_loopback(env.host):

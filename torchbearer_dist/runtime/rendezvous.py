@@ -20,7 +20,8 @@ import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _bounded_store, _diagnosis, _peers, network
+from torchbearer_dist.runtime import _diagnosis, _peers, network
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
@@ -28,11 +29,8 @@ _SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
 
 
 def _port_holder(port):
-    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``.
-
-    Scans at most ``_SCAN_PIDS`` processes for at most ``_SCAN_SECONDS``; the pid is read at once,
-    so it cannot have been reused in between.
-    """
+    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``; scans at most
+    ``_SCAN_PIDS`` processes for ``_SCAN_SECONDS`` (the pid is read at once: it cannot have been reused)."""
     inodes = set()
     for table in ('/proc/net/tcp', '/proc/net/tcp6'):
         try:
@@ -95,13 +93,10 @@ def _bind_master(host, port):
 
 
 def _connect(host, port, timeout):
-    """Connect to the master's store, bounded by ``timeout`` even against a silent listener.
-
-    A plain TCP connection is retried in this thread first, so that Ctrl-C or the deadline leaves no
-    thread inside TCPStore's constructor (one given up on aborts the interpreter's exit, status -6).
-    The store client is then made in a helper thread: against a listener that never answers, torch's
-    own timeout does not bound it.
-    """
+    """Connect to the master's store, bounded by ``timeout`` even against a silent listener: a plain TCP
+    connection is retried here first (Ctrl-C or the deadline then leaves no thread inside TCPStore's
+    constructor, which aborts the interpreter's exit), then the client is made in a helper thread, which
+    torch's own timeout does not bound against a listener that never answers."""
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
     seconds = timeout.total_seconds()
     started = time.monotonic()
@@ -135,7 +130,7 @@ def _connect(host, port, timeout):
     try:
         # An Event, not join(): a join interrupted by Ctrl-C marks a running thread stopped (CPython 3.11,
         # bpo-45274's fix).
-        done.wait(max(0.0, started + seconds * 1.5 + 5 - time.monotonic()))
+        done.wait(max(0.0, started + Timing(seconds).listener - time.monotonic()))
     except BaseException:  # Ctrl-C: the master accepted, so a store answers within moments, or never
         done.wait(1.0)
         raise
@@ -148,13 +143,9 @@ def _connect(host, port, timeout):
     raise unreachable(str(result['error']).splitlines()[0] if done.is_set() else 'nothing listens there') from None
 
 
-def _something_listens(host, port, seconds=2.0):
+def _something_listens(host, port):
     """Whether a program accepts TCP connections on ``host:port`` now: the proof needed to blame one."""
-    try:
-        with socket.create_connection((host, port), timeout=seconds):
-            return True
-    except OSError:
-        return False
+    return _peers.probe(host, port) == 'ok'
 
 
 def _namespace(environ):
@@ -166,11 +157,7 @@ def _namespace(environ):
 
 
 def _make_store(env, environ):
-    """The job's store: in memory for one process, a file, the torchrun agent's, or our own TCPStore.
-
-    Returns:
-        tuple: ``(store, listening socket or None)``
-    """
+    """``(store, listening socket or None)``: in memory for one process, a file, the torchrun agent's, or ours."""
     if env.world_size == 1:
         return dist.HashStore(), None
     if env.init_method is not None:
@@ -191,11 +178,8 @@ def _make_store(env, environ):
 
 
 def connect_client(env, environ):
-    """One more connection to the job's store, namespaced like the first: the watchdog's own.
-
-    Returns:
-        torch.distributed.Store or None: None for a file or in-memory store
-    """
+    """One more connection to the job's store, namespaced like the first: the watchdog's own (None for a
+    file or in-memory store)."""
     if env.world_size == 1 or env.init_method is not None:
         return None
     store = dist.TCPStore(env.host, env.port, None, False, env.meet_timeout, wait_for_workers=False)
@@ -203,19 +187,12 @@ def connect_client(env, environ):
 
 
 def _wait(store, keys, timeout, what, rank=None):
-    """Wait for ``keys``; end early, naming it, when a rank that already joined publishes its failure.
-
-    Raises:
-        RuntimeError: the keys did not appear within ``timeout``
-        PeerFailedError: another rank failed meanwhile (e.g. Ctrl-C on it)
-        torch.distributed.DistNetworkError: the store went away (rank 0 stopped; the caller names why)
-    """
+    """Wait for ``keys``: RuntimeError saying ``what`` after ``timeout``; a PeerFailedError naming a rank that
+    published its failure meanwhile (e.g. Ctrl-C on it); the store's error when it went away."""
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(keys):
         if store.check(['error']):
-            cause = _diagnosis.read_cause(store, reader=rank)
-            raise PeerFailedError('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind,
-                                  cause.exc_type or None)
+            raise PeerFailedError.from_cause(_diagnosis.read_cause(store, deaths=False, reader=rank)[0], rank)
         if time.monotonic() > deadline:
             raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
                                '--port'.format(what, timeout.total_seconds()))
@@ -225,6 +202,10 @@ def _wait(store, keys, timeout, what, rank=None):
 def handshake(store, env):
     """Claim this rank, publish where it runs, and check that every rank agrees on the world size.
 
+    A master that stops answering meanwhile (its process stopped, its host down or cut off: torch's client
+    then retries a read past its own timeout) is named by the heartbeat, which runs from before the
+    handshake and shuts this rank's store connections down, failing the call it blocks in.
+
     Args:
         store (torch.distributed.Store): the job's store
         env (DistEnv): this process's place in the job
@@ -232,18 +213,8 @@ def handshake(store, env):
     Raises:
         RuntimeError: the rank is taken, or a rank did not join within the rendezvous timeout
         ValueError: ranks disagree on the world size
-        PeerFailedError: another rank failed meanwhile, or the master's store did not answer one call
-            within the rendezvous timeout (its process stopped, its host down or cut off)
+        PeerFailedError: another rank failed meanwhile
     """
-    guard = _bounded_store.bounded(store, env)
-    try:
-        _handshake(store if guard is None else guard, env)
-    finally:
-        if guard is not None:
-            guard.close()
-
-
-def _handshake(store, env):
     claim = '{} pid {} world_size {} {}'.format(socket.gethostname(), os.getpid(), env.world_size,
                                                   uuid.uuid4().hex[:8])
     held = store.compare_set('rank/{}'.format(env.rank), '', claim).decode()
@@ -266,7 +237,7 @@ def _handshake(store, env):
         if theirs != env.world_size:
             store.set('checked/{}'.format(env.rank), 'mismatch')
             if env.rank == 0:  # the store dies with rank 0: let the other side read rank 0's value first
-                _poll(store, 'checked/{}'.format(other), 3.0)
+                _poll(store, 'checked/{}'.format(other), Timing.READERS)
             raise ValueError('world size mismatch: this process (rank {}) has world_size={} but rank {} has '
                              'world_size={}; start every process with the same --world-size'.format(
                                  env.rank, env.world_size, other, theirs))
@@ -274,13 +245,9 @@ def _handshake(store, env):
 
 
 def wait_until_connected(store, env):
-    """Wait until every rank is connected (torch's barrier, on the new group): the end of its creation.
-
-    gloo's connect returns on one rank while a peer may still be completing its side of their pair:
-    a rank that then left at once failed that peer with "Connection closed by peer" (3 in 90 two-rank
-    launches of a function with no collective; 0 in 90 with this wait). A rank lost meanwhile is
-    named by the heartbeat, which wakes the barrier.
-    """
+    """Wait until every rank is connected (torch's barrier, on the new group): gloo's connect returns on one
+    rank while a peer may still complete its side, and a rank that then left at once failed that peer
+    ("Connection closed by peer": 3 in 90 two-rank launches, 0 in 90 with this wait)."""
     dist.barrier()
 
 

@@ -1,0 +1,171 @@
+"""The one decision of why a rank stops (runtime/_decision.py): every rule on facts, no process, clock or store."""
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from torchbearer_dist.runtime import _diagnosis
+from torchbearer_dist.runtime._decision import (
+    ARGUMENT,
+    COLLECTIVE,
+    HEARTBEAT,
+    JOIN,
+    LEAVE,
+    OWN,
+    PREEMPTED,
+    REPORTED,
+    RUN,
+    SETUP,
+    Decision,
+    Facts,
+    classify,
+    decide,
+    first_failure,
+)
+from torchbearer_dist.runtime._timing import Timing
+from torchbearer_dist.runtime.env import DistEnv
+from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
+
+LIMIT = 10.0
+TIMING = Timing(LIMIT, 600.0)
+
+
+def _env(rank=1, world_size=2):
+    return DistEnv(rank=rank, world_size=world_size, local_rank=rank, host='127.0.0.1', port=29500, backend='gloo',
+                   timeout=timedelta(seconds=600), rendezvous_timeout=timedelta(seconds=LIMIT))
+
+
+def _facts(phase, error=COLLECTIVE, rank=1, world_size=2, **kwargs):
+    env = _env(rank, world_size)
+    own = _diagnosis.own_cause(rank, ValueError('bad batch')) if error not in (COLLECTIVE, None) else None
+    return Facts(env, phase, error, own, **kwargs)
+
+
+BAD = _diagnosis.Cause(2, _diagnosis.LOCAL, 'ValueError', 'bad batch')
+SILENT = _diagnosis.no_heartbeat(2, LIMIT)
+
+
+def test_the_timing_is_derived_from_the_users_timeouts():
+    assert (Timing(60.0).beat, Timing(2.0).beat, Timing(60.0).heartbeat_call, Timing(4.0).heartbeat_call) == (
+        1.0, 0.5, 5.0, 2.0)
+    assert (Timing(60.0).guess, Timing(2.0).guess, Timing(60.0).last_rank, Timing(60.0).listener) == (
+        3.0, 2.0, 63.0, 95.0)
+    assert Timing(60.0, 30.0).gloo_connect == 30.0 and Timing(60.0, 1800.0).gloo_connect == 60.0
+    assert (TIMING.read_wait(True), TIMING.read_wait(False)) == (1.0, Timing.CAUSE_WAIT)
+
+
+def test_classify_reads_what_was_caught_never_its_words():
+    assert classify(ValueError('x'), RUN) == ARGUMENT
+    assert classify(PeerFailedError('x', 1), JOIN) == REPORTED
+    assert classify(Preempted(), RUN) == PREEMPTED
+    assert classify(dist.DistNetworkError('Connection closed by peer'), RUN) == COLLECTIVE
+    assert classify(RuntimeError('rank 1 did not join'), JOIN) == SETUP
+    assert classify(RuntimeError('timed out'), RUN) == OWN  # its words sound like the network: still its own
+    assert classify(KeyboardInterrupt(), JOIN) == OWN
+
+
+def test_the_heartbeat_publishes_where_the_store_answers_or_reads_another_ranks_cause():
+    found = decide(_facts(HEARTBEAT, None, heartbeat=SILENT, store_answers=True), TIMING)
+    assert found == Decision(SILENT, publish=True, wake=True)
+    assert not decide(_facts(HEARTBEAT, None, heartbeat=SILENT, store_answers=False), TIMING).publish
+    ask = decide(_facts(HEARTBEAT, None), TIMING)
+    assert (ask.read, ask.deaths, ask.cause) == (0.0, False, None)
+    assert decide(_facts(HEARTBEAT, None, gathered=True, published=BAD), TIMING) == Decision(BAD, wake=True)
+
+
+def test_a_job_of_one_and_a_preemption_in_the_block_raise_as_they_are():
+    assert decide(_facts(RUN, world_size=1, rank=0), TIMING) == Decision(own=True)
+    assert decide(_facts(RUN, PREEMPTED, heartbeat=SILENT), TIMING) == Decision(own=True)
+
+
+def test_a_clean_end_reports_only_a_peer_that_fell_silent_before_leaving():
+    assert decide(_facts(LEAVE, None), TIMING) == Decision(own=True)
+    assert decide(_facts(LEAVE, None, heartbeat=SILENT), TIMING) == Decision(SILENT)
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_at_the_join_each_rank_says_its_own_argument_error_and_rank_0_keeps_the_store_for_a_reported_one(rank):
+    assert decide(_facts(JOIN, ARGUMENT, rank=rank), TIMING) == Decision(own=True)
+    assert decide(_facts(JOIN, REPORTED, rank=rank, reported=2), TIMING) == Decision(
+        own=True, readers=rank == 0, skip=2)
+
+
+def test_at_the_join_the_rendezvous_words_are_published_by_rank_0_only_and_anything_else_by_any_rank():
+    mine = _diagnosis.own_cause(1, ValueError('bad batch'))
+    assert decide(_facts(JOIN, SETUP), TIMING) == Decision(mine, own=True)
+    assert decide(_facts(JOIN, SETUP, rank=0), TIMING).publish and decide(_facts(JOIN, SETUP, rank=0), TIMING).readers
+    assert decide(_facts(JOIN, OWN), TIMING) == Decision(mine, own=True, publish=True)
+
+
+def test_a_heartbeats_cause_wins_over_what_the_store_says():
+    facts = _facts(RUN, heartbeat=SILENT, gathered=True, published=BAD, master='refused')
+    assert decide(facts, TIMING).cause == SILENT
+    assert decide(_facts(RUN, heartbeat=SILENT), TIMING).read is None  # nothing to gather
+
+
+def test_a_pause_of_this_rank_just_ended_names_it_on_a_collective_error_in_the_block_only():
+    frozen = _diagnosis.frozen(1, 25.0, LIMIT)
+    assert decide(_facts(RUN, frozen=frozen), TIMING).cause == frozen
+    assert decide(_facts(RUN, OWN, frozen=frozen), TIMING).cause.kind == _diagnosis.LOCAL
+    assert decide(_facts(JOIN, frozen=frozen), TIMING).read is not None
+
+
+def test_a_collective_error_asks_the_store_first_briefly_after_a_timeout():
+    ask = decide(_facts(RUN), TIMING)
+    assert (ask.read, ask.deaths) == (Timing.CAUSE_WAIT, True)
+    ask = decide(_facts(RUN, timed_out=True), TIMING)
+    assert (ask.read, ask.deaths) == (1.0, False)
+
+
+def _told(**kwargs):
+    return decide(_facts(RUN, gathered=True, **kwargs), TIMING)
+
+
+def test_which_cause_explains_a_collective_error_in_order():
+    gone = _told(master='refused', published=BAD).cause
+    assert gone.message.startswith('rank 0 (the master at 127.0.0.1:29500) is gone')
+    assert _told(published=BAD, dead=(2,)).cause == BAD
+    assert _told(store_failed=True, dead=(2,)).cause.message.startswith('rank 0 (the master')
+    assert _told(dead=(2,)).cause == _diagnosis.died([2])
+    assert _told(dead=(2,), timed_out=True).cause.message.startswith('no answer from rank 0 for 600 s')
+    guess = _told(master='silent')
+    assert guess.cause.guess and guess.cause.line().startswith('rank 0 closed its connection')
+    assert decide(_facts(RUN, rank=0, world_size=3, gathered=True, store_failed=True), TIMING).cause.rank == -1
+
+
+def test_this_ranks_own_cause_read_back_from_the_store_is_raised_as_its_own_error():
+    mine = _diagnosis.Cause(1, _diagnosis.LOCAL, 'KeyboardInterrupt', 'interrupted (SIGINT)')
+    assert _told(published=mine).own and not _told(published=replace(mine, rank=0)).own
+
+
+@pytest.mark.parametrize('rank, cause, published', [
+    (0, SILENT, True), (1, SILENT, True), (1, _diagnosis.no_heartbeat(0, LIMIT), False), (0, BAD, True),
+    (1, replace(BAD, rank=0), True)])
+def test_in_the_block_a_cause_is_published_where_the_store_lives_and_the_peers_are_stopped(rank, cause, published):
+    found = decide(_facts(RUN, rank=rank, heartbeat=cause), TIMING)
+    assert found == Decision(cause, publish=published, readers=rank == 0, skip=cause.rank, stop_peers=True)
+
+
+def test_at_the_join_a_guess_waits_for_the_heartbeat_two_beats_and_a_second():
+    facts = _facts(JOIN, gathered=True, watching=True, failed_at=100.0, now=100.5)
+    assert decide(facts, TIMING).until == 100.0 + TIMING.guess
+    assert decide(replace(facts, now=100.0 + TIMING.guess), TIMING).cause.guess
+    assert decide(replace(facts, watching=False), TIMING).until is None
+    assert decide(replace(facts, heartbeat=SILENT), TIMING).cause == SILENT
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_at_the_join_only_rank_0_publishes_a_peers_cause(rank):
+    found = decide(_facts(JOIN, rank=rank, heartbeat=SILENT, watching=True), TIMING)
+    assert found == Decision(SILENT, publish=rank == 0, readers=rank == 0, skip=2)
+    assert not decide(_facts(JOIN, rank=0, heartbeat=SILENT), TIMING).publish  # no heartbeat: no store kept
+
+
+def test_launch_names_an_own_error_then_a_silent_death_then_a_peer_failure():
+    assert first_failure(['peer', 'own', None], [1, 1, -9], 75) == 1
+    assert first_failure(['peer', 'ok', None], [1, 0, -9], 75) == 2
+    assert first_failure(['peer', None, 'ok'], [1, None, 0], 75) == 0
+    assert first_failure(['ok', None, 'ok'], [0, None, 0], 75) == 1
+    assert first_failure([None, 'ok', None], [75, 0, 75], 75) is None  # every rank left was pre-empted
+    assert first_failure([None, 'ok', None], [75, 0, None], 75) == 0

@@ -1,0 +1,193 @@
+"""Why a rank stops, decided once: which rank, which cause, and when; no clock, thread or socket.
+
+Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure
+(:mod:`._verdict` judges its samples; its verdict arrives here as a cause), the main thread when the
+handshake or gloo's connect failed (``JOIN``), when the program's block raised (``RUN``) or ended
+while a peer fell silent (``LEAVE``); :func:`first_failure` is the same question for
+:func:`~torchbearer_dist.launch`, over its ranks' reports. The live group
+(:mod:`torchbearer_dist.runtime._live`) gathers the :class:`Facts` and acts on the :class:`Decision`;
+the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery is
+:class:`~torchbearer_dist.runtime._timing.Timing`'s, derived from the user's two timeouts.
+"""
+from dataclasses import dataclass
+
+from torchbearer_dist.runtime import _diagnosis as causes
+from torchbearer_dist.runtime._timing import Timing  # noqa: F401 (the waits of every rule, in one place)
+
+#: Where a rank is when it stops: its heartbeat judged; group creation (the handshake, gloo's
+#: connect, the barrier) failed; the program's block raised; the block ended well.
+HEARTBEAT, JOIN, RUN, LEAVE = 'heartbeat', 'join', 'run', 'leave'
+#: What the main thread caught (:func:`classify`): a bad argument; a peer's failure the rendezvous
+#: read; the rendezvous' own words (a duplicate rank, a rank that did not join); a pre-emption;
+#: a collective's or the store's error; anything else the rank raised.
+ARGUMENT, REPORTED, SETUP, PREEMPTED = 'argument', 'reported', 'setup', 'preempted'
+COLLECTIVE, OWN = 'collective', 'own'
+
+
+def classify(error, phase):
+    """What the main thread caught, as one of the kinds above."""
+    from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
+    if isinstance(error, Preempted):
+        return PREEMPTED
+    if isinstance(error, ValueError):
+        return ARGUMENT
+    if isinstance(error, PeerFailedError):
+        return REPORTED
+    if causes.is_collective_error(error):
+        return COLLECTIVE
+    return SETUP if phase == JOIN and isinstance(error, RuntimeError) else OWN
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a rank knows when it asks; gathered by the live group.
+
+    Attributes:
+        env (DistEnv): this process's place in the job
+        phase (str): :data:`HEARTBEAT`, :data:`JOIN`, :data:`RUN` or :data:`LEAVE`
+        error (str): what the main thread caught (:func:`classify`), None at :data:`HEARTBEAT` or :data:`LEAVE`
+        own (Cause): the caught error as this rank's own cause
+        reported (int): the rank a :data:`REPORTED` error names
+        heartbeat (Cause): what the heartbeat found (the live group's ``cause``)
+        frozen (Cause): this rank's own pause longer than the limit, just ended
+        store_answers (bool): the heartbeat's last store round succeeded
+        watching (bool): the heartbeat runs, so it may still name the rank
+        timed_out (bool): the collective timed out, or a watched peer was silent half the limit
+        gathered (bool): the store was asked (the facts below), as a :class:`Decision`'s ``read`` said
+        master (str): ``'ok'``, ``'refused'`` or ``'silent'``: the master's port, probed
+        published (Cause): the cause a rank published in the store
+        dead (tuple): local peer ranks seen gone while polling
+        store_failed (bool): the store stopped answering while polled
+        failed_at (float), now (float): when the error was caught, and now (one monotonic clock)
+    """
+    env: object
+    phase: str
+    error: str = None
+    own: object = None
+    reported: int = None
+    heartbeat: object = None
+    frozen: object = None
+    store_answers: bool = True
+    watching: bool = False
+    timed_out: bool = False
+    gathered: bool = False
+    master: str = 'ok'
+    published: object = None
+    dead: tuple = ()
+    store_failed: bool = False
+    failed_at: float = 0.0
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens.
+
+    Attributes:
+        cause (Cause): the root cause to report, or None (nothing to report)
+        own (bool): raise the caught error itself, not a PeerFailedError naming ``cause``
+        publish (bool): put ``cause`` in the store, where the others read it
+        readers (bool): on rank 0, wait (at most ``Timing.readers``) until the others have read it
+        skip (int): the rank that will not read it (it published it, died or fell silent)
+        stop_peers (bool): destroy the group now, so that the peers' collectives fail
+        wake (bool): wake this rank's main thread from its collective (or gloo's connect)
+        read (float): not yet decided: poll the store this long for a cause (and ask again)
+        deaths (bool): with ``read``, a local peer seen gone ends the poll
+        until (float): not yet decided: ask again until then, as the heartbeat may still name the rank
+    """
+    cause: object = None
+    own: bool = False
+    publish: bool = False
+    readers: bool = False
+    skip: int = None
+    stop_peers: bool = False
+    wake: bool = False
+    read: float = None
+    deaths: bool = True
+    until: float = None
+
+
+def decide(facts, timing):
+    """Which rank, which cause, and when: every rule of a rank's stop, in one place.
+
+    Args:
+        facts (Facts): what this rank knows
+        timing (Timing): the job's waits
+
+    Returns:
+        Decision: what to do; one with ``read`` or ``until`` set asks for another call with more facts
+    """
+    f, rank = facts, facts.env.rank
+    if f.phase == HEARTBEAT:  # a cause found is published where the store answers; else another rank's is read
+        if f.heartbeat is None and not f.gathered:
+            return Decision(read=0.0, deaths=False)
+        return Decision(f.heartbeat or f.published, publish=f.heartbeat is not None and f.store_answers, wake=True)
+    if f.env.world_size == 1 or f.error == PREEMPTED:  # a pre-emption is an agreed end at one step, not a fault
+        return Decision(own=True)
+    if f.phase == LEAVE:  # this rank's block ended well, but a peer fell silent before leaving
+        return Decision(f.heartbeat, own=f.heartbeat is None)
+    if f.phase == JOIN and f.error != COLLECTIVE:
+        if f.error == ARGUMENT:  # each rank says its own: nothing to publish
+            return Decision(own=True)
+        if f.error == REPORTED:  # a peer's cause, read in the rendezvous: rank 0 keeps the store up for the others
+            return Decision(own=True, readers=rank == 0, skip=f.reported)
+        # the rendezvous' own words are each rank's own (a duplicate rank must not end the job it tried to
+        # join), except on rank 0, whose store ends with it: the others then read why
+        publish = f.error != SETUP or rank == 0
+        return Decision(f.own, own=True, publish=publish, readers=publish and rank == 0)
+    cause, own = f.heartbeat or (f.frozen if f.phase == RUN and f.error == COLLECTIVE else None), False
+    if cause is None:
+        if f.error == COLLECTIVE and not f.gathered:
+            return Decision(read=timing.read_wait(f.timed_out), deaths=not f.timed_out)
+        cause, own = _explain(f)
+        if f.phase == JOIN and causes.is_guess(cause) and f.watching and f.now < f.failed_at + timing.guess:
+            return Decision(until=f.failed_at + timing.guess)
+    if f.phase == JOIN:  # only rank 0 publishes, through its heartbeat's connection, and keeps the store up
+        published = not own and rank == 0 and f.watching
+        return Decision(cause, own=own, publish=published, readers=published, skip=cause.rank)
+    # a cause naming rank 0 is not published by the others: the store lives in rank 0's process
+    published = rank == 0 or cause.rank != 0 or cause.kind == causes.LOCAL
+    return Decision(cause, own=own, publish=published, readers=rank == 0, skip=cause.rank, stop_peers=True)
+
+
+def _explain(f):
+    """``(cause, own)`` for an error no heartbeat explained: what the store, the probe and the error say."""
+    env = f.env
+    if f.error != COLLECTIVE:
+        return f.own, True
+    if f.master == 'refused':
+        return causes.master_gone(env), False
+    if f.published is not None:  # after a timeout the peer was silent that long: its later words are no cause
+        mine = f.published.rank == env.rank and f.published.kind == causes.LOCAL
+        return f.published, mine
+    if f.store_failed and env.rank != 0 and not f.timed_out:  # the store lives in rank 0
+        return causes.master_gone(env), False
+    if f.dead and not f.timed_out and not f.store_failed:
+        return causes.died(list(f.dead)), False
+    others = [r for r in range(env.world_size) if r != env.rank]
+    who = others[0] if len(others) == 1 else 'a peer rank'
+    if f.timed_out:
+        return causes.silent(env, who, env.timeout.total_seconds()), False
+    return causes.closed(who), False
+
+
+def first_failure(states, exitcodes, preempted_status):
+    """The rank :func:`~torchbearer_dist.launch` names, from what each rank reported.
+
+    Args:
+        states (list): per rank, ``'ok'``, ``'own'`` (it reported its own error), ``'peer'`` (it reported a
+            :class:`~torchbearer_dist.PeerFailedError`) or None (no report)
+        exitcodes (list): per rank, its exit status, or None while it runs
+        preempted_status (int): the status of a rank pre-empted after its checkpoint
+
+    Returns:
+        int or None: the root cause's rank: a rank's own error first, then a rank that died without a
+        word, then a peer failure, then any rank that did not finish; None when every rank that did not
+        finish was pre-empted (and one was)
+    """
+    unfinished = [r for r, state in enumerate(states) if state != 'ok']
+    died = [r for r in unfinished if exitcodes[r] not in (None, 0)]
+    if died and all(exitcodes[r] == preempted_status for r in unfinished):
+        return None
+    return ([r for r in unfinished if states[r] == 'own'] + [r for r in died if states[r] is None] +
+            [r for r in unfinished if states[r] == 'peer'] + unfinished)[0]

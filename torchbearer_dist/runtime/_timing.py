@@ -1,0 +1,58 @@
+"""Every wait of the fault machinery, in one place: derived from the user's two timeouts, with its reason."""
+
+
+class Timing:
+    """The waits of a job whose rendezvous timeout is ``limit`` and collective timeout ``timeout`` (seconds).
+
+    Fixed waits are class attributes (they bound a local or one-round-trip action, not a peer):
+
+    - ``STORE_CALL`` (2 s): a publish or read of a cause: the store is local to rank 0 or a round trip away
+    - ``CAUSE_WAIT`` (3 s): a failed collective polls this long for the peer's cause (the peer wakes,
+      unwinds and publishes within it); 1 s after a timeout, when the peer was silent for the timeout
+    - ``READERS`` (3 s): rank 0, whose process holds the store, waits this long at most for the others
+      to read the cause before the store ends with it
+    - ``CONNECT_GRACE`` (2 s): a main thread still inside gloo's connect this long after it was woken
+      is ended: nothing interrupts that native call
+    - ``LEAVE_CALL`` (1 s): marking this rank left, against a master that may be frozen
+    - ``PROBE`` (1 s): whether the master's port still accepts connections
+    - ``STOPPED_EARLY`` (3 s): launch() names a rank stopped by a signal that much sooner: it is frozen
+      for sure, no heartbeat need name it first
+    - ``INTERRUPT_GRACE`` (2 s): after Ctrl-C, the main thread's own handling gets this long, then its
+      collective is failed, and this long again before a main thread stuck in native code is ended
+    - ``KILL_GRACE`` (3 s): launch() waits this long after the first failure for the other ranks' reports
+      (the root cause may come second), and as long for stopped ranks to exit
+
+    Attributes:
+        beat: between heartbeats: a second, four per ``limit`` where that is shorter (a beat late under
+            load is not yet a silence)
+        heartbeat_call: the heartbeat's store calls: half the limit, 5 s at most, so that a call blocked on
+            a silent master fails in time for the next round
+        guess: at the join, the heartbeat may still name the rank when gloo's words were only a guess:
+            two beats and a second
+        gloo_connect: gloo's connect waits for every peer this long: the limit (or the collective timeout)
+        listener: the store client against a master port whose program accepts and never answers, which
+            torch does not bound: 1.5 times the limit and 5 s
+        last_rank: launch() stops a last rank idle this long: the limit, and two one-second beats and a
+            second for the ranks' own heartbeat to name it first
+    """
+    STORE_CALL, CAUSE_WAIT, READERS, CONNECT_GRACE, LEAVE_CALL, PROBE = 2.0, 3.0, 3.0, 2.0, 1.0, 1.0
+    STOPPED_EARLY, INTERRUPT_GRACE, KILL_GRACE = 3.0, 2.0, 3.0
+
+    def __init__(self, limit, timeout=None):
+        self.limit = limit
+        self.timeout = limit if timeout is None else timeout
+        self.beat = min(1.0, limit / 4)
+        self.heartbeat_call = min(5.0, limit / 2)
+        self.guess = 2 * self.beat + 1.0
+        self.gloo_connect = min(self.timeout, limit)
+        self.listener = 1.5 * limit + 5.0
+        self.last_rank = limit + 3.0
+
+    @classmethod
+    def of(cls, env):
+        """The :class:`Timing` of ``env`` (a :class:`~torchbearer_dist.runtime.env.DistEnv`)."""
+        return cls(env.meet_timeout.total_seconds(), env.timeout.total_seconds())
+
+    def read_wait(self, timed_out):
+        """Seconds a failed collective polls the store for a peer's cause (see ``CAUSE_WAIT``)."""
+        return 1.0 if timed_out else self.CAUSE_WAIT
