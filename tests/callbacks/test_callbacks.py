@@ -674,3 +674,11 @@ def test_callbacks_are_inert_in_a_job_of_one():
         assert not torch.equal(model.weight, before['weight'])  # it trained
         results.append(_snapshot(model))
     _assert_equal(*results)
+
+
+def test_the_callbacks_that_carry_a_stop_offer_the_declared_protocol():
+    """AllReduceGradients and DiLoCo carry a stop request in their own collectives, as stop.StopCarrier declares;
+    AgreeOnStop carries none of its own (its DDP companion, an AllReduceGradients, does)."""
+    from torchbearer_dist.callbacks.stop import StopCarrier
+    assert isinstance(AllReduceGradients(), StopCarrier) and isinstance(torchbearer_dist.DiLoCo(), StopCarrier)
+    assert not isinstance(torchbearer_dist.AgreeOnStop(), StopCarrier)
