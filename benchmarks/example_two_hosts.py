@@ -42,7 +42,8 @@ def run_link(hosts, link, extra, timeout):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index('--') + 1:] if '--' in argv else []
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                     epilog="after '--', the example's own flags, e.g. -- --local-steps 32 --epochs 2")
     parser.add_argument('--links', type=str, default='100mbit,1gbit', help='tc rates, comma-separated (none: unshaped)')
     parser.add_argument('--timeout', type=float, default=600.0, help='seconds a link\'s run may take')
     args = parser.parse_args(argv[:argv.index('--')] if '--' in argv else argv)

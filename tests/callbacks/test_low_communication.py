@@ -18,6 +18,7 @@ from torchbearer import Callback
 
 import torchbearer_dist
 from torchbearer_dist import DiLoCo, distributed_callbacks
+from torchbearer_dist.sync import wire
 
 from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests/ on sys.path)
 
@@ -110,7 +111,7 @@ def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS
 
 
 def _equivalence():
-    model, _ = _trial('mlp', dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0))
+    model, _ = _trial('mlp', dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, compression=None))
     return _snapshot(model)
 
 
@@ -273,7 +274,8 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
     rank0, rank1 = scenario_values(trained, 'nesterov_bn')
     model = _model('bn', SEED)
     floating = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    per_outer_step = (4 * sum(p.numel() for p in model.parameters())  # pseudo-gradients, float32 on the wire
+    # pseudo-gradients in the default int8 wire: a byte a value (padded to whole blocks) and a scale a block
+    per_outer_step = (wire.wire_bytes(sum(p.numel() for p in model.parameters()), 2, 'int8')
                       + 8 * (floating + 1)  # BatchNorm's statistics and the stop flag, as float64
                       + 8)  # num_batches_tracked, broadcast from rank 0
     # and each step's stop flag, one float64
@@ -333,6 +335,7 @@ def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_avera
     callbacks = distributed_callbacks(local_steps=20, outer_lr=0.5, compression='bf16')
     assert isinstance(callbacks[-1], DiLoCo) and callbacks[-1].local_steps == 20
     assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.0, nesterov=True, compression='bf16')
+    assert DiLoCo().options['compression'] == 'int8'  # the default wire
     assert DiLoCo(local_steps=20).gain == 1.0 and DiLoCo(local_steps=500, **DiLoCo.PAPER).gain == pytest.approx(7.0)
     assert not any(isinstance(c, torchbearer_dist.AllReduceGradients) for c in callbacks)
 

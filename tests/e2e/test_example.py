@@ -13,6 +13,7 @@ import torch
 
 import torchbearer_dist
 from torchbearer_dist.runtime.launcher import free_port
+from torchbearer_dist.sync import wire
 
 from _dist import LOAD_SLACK, ROOT, STARTUP, TORCHRUN, python, run_command
 
@@ -77,9 +78,10 @@ def test_local_steps_keep_the_recipe_and_report_the_meetings(tmp_path):
     assert [(int(e[0]), int(e[1])) for e in epochs] == [(1, 2), (2, 2)], result.stdout
     assert float(epochs[-1][5]) >= 0.85, result.stdout
     reports = re.findall(r'^communication, epoch \d/2: each rank sent ([\d.]+) kB', result.stdout, re.M)
-    # 2 meetings an epoch (steps 32 and the end, 63), each 79,510 parameters in fp32 and the buffers' float64 flag;
-    # one 8-byte stop flag a step
-    assert [float(kb) for kb in reports] == [round((2 * (79510 * 4 + 8) + 63 * 8) / 1e3, 2)] * 2, result.stdout
+    # 2 meetings an epoch (steps 32 and the end, 63), each 79,510 parameters in the default int8 wire and the
+    # buffers' float64 flag; one 8-byte stop flag a step
+    meeting = wire.wire_bytes(79510, 2, 'int8') + 8
+    assert [float(kb) for kb in reports] == [round((2 * meeting + 63 * 8) / 1e3, 2)] * 2, result.stdout
 
 
 @pytest.mark.slow

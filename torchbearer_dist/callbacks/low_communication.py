@@ -64,10 +64,10 @@ class DiLoCo(Callback):
         outer_lr (float): the outer optimizer's learning rate (1: the ranks' average; the paper's 0.7)
         outer_momentum (float): the outer optimizer's momentum (0: none; the paper's 0.9)
         nesterov (bool): Nesterov momentum in the outer optimizer (with ``outer_momentum`` > 0)
-        compression (str): what pseudo-gradients travel in: None (the parameters' own dtype, fp32),
-            ``'bf16'`` or ``'fp16'`` (half the bytes) or ``'int8'`` (about a quarter: one byte a value and a
-            scale per 128), added in fp32 (:mod:`torchbearer_dist.sync.wire`); the anchor and the outer
-            step stay in full precision
+        compression (str): what pseudo-gradients travel in: ``'int8'`` (the default: one byte a value and
+            an fp32 scale per 128 values, about a quarter of fp32), ``'bf16'`` or ``'fp16'`` (half), added
+            in fp32 (:mod:`torchbearer_dist.sync.wire`); or None, the parameters' own dtype in an exact
+            all-reduce. The anchor and the outer step stay in full precision
         check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
         overlap_steps (int): 0: each meeting blocks; k > 0: a meeting lands k steps after it began, the
             ranks training on meanwhile (its wire time hidden behind k steps); the anchor then steps and
@@ -93,7 +93,7 @@ class DiLoCo(Callback):
     #: The DiLoCo paper's outer optimizer, for ``DiLoCo(local_steps=H, **DiLoCo.PAPER)``: gain 7 (see above).
     PAPER = PAPER
 
-    def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression=None,
+    def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression='int8',
                  check_divergence=True, overlap_steps=0):
         super().__init__()
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:

@@ -22,6 +22,8 @@ Only torch.distributed's public collectives are used; gloo supports both on CPU 
 import torch
 import torch.distributed as dist
 
+from torchbearer_dist.sync import collectives
+
 #: Values that share one scale in the ``'int8'`` encoding.
 BLOCK = 128
 #: The encodings :func:`mean` accepts, with the dtype each value travels in.
@@ -121,8 +123,9 @@ class PendingMean:
     def __init__(self, values, encoding, group=None):
         self.encoding, self.group, self.numel = encoding, group, values.numel()
         self.world = dist.get_world_size(group)
+        self.device = values.device  # the values travel where the backend takes them (gloo: the CPU)
         length = padded_length(values.numel(), self.world, encoding)
-        padded = torch.zeros(length, dtype=torch.float32, device=values.device)
+        padded = torch.zeros(length, dtype=torch.float32, device=collectives.comm_device(values.device))
         padded[:values.numel()] = values
         sent = _encode(padded, encoding)
         self.received = [torch.empty_like(part) for part in sent]
@@ -159,4 +162,4 @@ class PendingMean:
         self.advance()
         for work in self.works:
             work.wait()
-        return _decode([torch.cat(pieces) for pieces in self.gathered], self.encoding)[:self.numel]
+        return _decode([torch.cat(pieces) for pieces in self.gathered], self.encoding)[:self.numel].to(self.device)
