@@ -12,7 +12,7 @@ the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery i
 from dataclasses import dataclass
 
 from torchbearer_dist.runtime import _diagnosis as causes
-from torchbearer_dist.runtime._timing import Timing  # noqa: F401 (the waits of every rule, in one place)
+from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
 
 #: Where a rank is when it stops: its heartbeat judged; group creation (the handshake, gloo's
 #: connect, the barrier) failed; the program's block raised; the block ended well.
@@ -26,7 +26,6 @@ COLLECTIVE, OWN = 'collective', 'own'
 
 def classify(error, phase):
     """What the main thread caught, as one of the kinds above."""
-    from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
     if isinstance(error, Preempted):
         return PREEMPTED
     if isinstance(error, ValueError):

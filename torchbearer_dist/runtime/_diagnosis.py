@@ -165,12 +165,16 @@ def master_gone(env):
                               'unreachable; see rank 0\'s log for its error'.format(env.address))
 
 
+def _named(who):
+    """``(rank, words)`` for ``who``, a rank or words such as ``'a peer rank'`` (rank -1)."""
+    return (who, 'rank {}'.format(who)) if isinstance(who, int) else (-1, who)
+
+
 def silent(env, who, seconds):
     """The :class:`Cause` for a collective in which ``who`` (a rank, or words) sent nothing for ``seconds``."""
-    return Cause(who if isinstance(who, int) else -1, NETWORK, '', 'no answer from {} for {:g} s: its host is down, '
-                 'the network is partitioned, or it is stuck outside the training loop; check that host, or raise '
-                 'timeout= if a step can take that long'.format(
-                     'rank {}'.format(who) if isinstance(who, int) else who, seconds))
+    return Cause(_named(who)[0], NETWORK, '', 'no answer from {} for {:g} s: its host is down, the network is '
+                 'partitioned, or it is stuck outside the training loop; check that host, or raise timeout= if a '
+                 'step can take that long'.format(_named(who)[1], seconds))
 
 
 def no_heartbeat(rank, seconds):
@@ -213,6 +217,5 @@ def is_guess(cause):
 
 def closed(who):
     """The :class:`Cause` guessed for a collective whose peer ``who`` (a rank, or words) closed its connection."""
-    return Cause(who if isinstance(who, int) else -1, PEER, '', '{} closed its connection without reporting an '
-                 'error: it exited or was killed; see its log'.format(
-                     'rank {}'.format(who) if isinstance(who, int) else who), guess=True)
+    return Cause(_named(who)[0], PEER, '', '{} closed its connection without reporting an error: it exited or was '
+                 'killed; see its log'.format(_named(who)[1]), guess=True)

@@ -49,12 +49,7 @@ def _pick_address(everyone):
         if theirs == own:
             continue
         for address in theirs:
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                    probe.connect((address, 9))  # asks the kernel for the route; sends nothing
-                    source = probe.getsockname()[0]
-            except OSError:
-                continue
-            if source in own:
+            source = network.route_source(address, 9)
+            if source is not None and source in own:
                 return source
     return own[0] if own else socket.gethostname()

@@ -20,18 +20,23 @@ def is_loopback(host):
     return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
 
 
-def route_interface(host, port=29500):
-    """The interface (e.g. ``'eth0'``) this machine reaches ``host`` through, or None when it cannot be told:
-    a UDP ``connect`` to any ``port`` asks the kernel for the route; no packet is sent."""
+def route_source(host, port=29500):
+    """This machine's IPv4 address on the route to ``host``, or None: a UDP ``connect`` to any ``port`` asks the
+    kernel for the route; no packet is sent."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
         if family != socket.AF_INET:
             return None
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)
-            local_ip = probe.getsockname()[0]
+            return probe.getsockname()[0]
     except OSError:
         return None
+
+
+def route_interface(host, port=29500):
+    """The interface (e.g. ``'eth0'``) this machine reaches ``host`` through, or None when it cannot be told."""
+    local_ip = route_source(host, port)
     return next((name for name, address in interface_addresses() if address == local_ip), None)
 
 
