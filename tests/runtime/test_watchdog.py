@@ -81,3 +81,50 @@ def test_a_peer_that_stops_is_named_within_the_limit_and_one_beat_of_its_last_be
     failures, _ = _watch(store, period=0.1, beats=3)
     assert [(line, answers) for line, answers, _ in failures] == [(SILENCE, True)], failures
     assert LIMIT <= failures[0][2] < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+
+
+def test_before_every_rank_joined_only_the_store_is_watched_then_the_peers_beats(store):
+    """From before the handshake (``peers=False``) a rank 0 that has not beaten yet is no failure, as it waits
+    for the others to join; once :meth:`Watchdog.watch_peers` is called its beat is watched as always."""
+    failures = []
+    watchdog = Watchdog(_env(), store, lambda cause, answers: failures.append((cause, time.monotonic())),
+                        peers=False).start()
+    try:
+        store.add('hb/0', 1)  # rank 0's counter, never beaten again
+        time.sleep(3 * LIMIT)
+        assert failures == []
+        told = time.monotonic()
+        watchdog.watch_peers()
+        deadline = told + 3 * LIMIT + LOADED
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        watchdog.stop()
+        watchdog.join()
+    assert [cause.line() for cause, _ in failures] == [SILENCE], failures
+    assert LIMIT <= failures[0][1] - told < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+
+
+def test_before_every_rank_joined_a_store_that_stops_answering_names_rank_0():
+    """The handshake's silent master, named by the heartbeat (it was a mechanism of its own): every store
+    round of rank 1 fails, and rank 0 is named once the limit has passed without an answer."""
+    class Silent:
+        timeout = timedelta(seconds=0.1)
+
+        def add(self, *args):
+            raise dist.DistNetworkError('no answer')
+
+    failures = []
+    started = time.monotonic()
+    watchdog = Watchdog(_env(), Silent(), lambda cause, answers: failures.append((cause, answers, time.monotonic())),
+                        peers=False).start()
+    try:
+        while not failures and time.monotonic() < started + 3 * LIMIT + LOADED:
+            time.sleep(0.02)
+    finally:
+        watchdog.stop()
+        watchdog.join()
+    assert [(cause.line(), answers) for cause, answers, _ in failures] == [
+        ('no answer from rank 0 (the master at 127.0.0.1:0) for 1 s: its host is down or the network is '
+         'partitioned; check that host and the network, or raise rendezvous_timeout=', False)], failures
+    assert LIMIT <= failures[0][2] - started < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
