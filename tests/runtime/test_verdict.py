@@ -85,7 +85,7 @@ def _beat(limit):
 
 
 def _client_timeout(limit):
-    """The heartbeat's store connection's timeout (``group._LiveGroup.start_watchdog``)."""
+    """The heartbeat's store connection's timeout (``_live.LiveGroup.start_watchdog``)."""
     return min(5.0, limit / 2)
 
 
