@@ -18,7 +18,7 @@ from torchbearer import Callback
 
 import torchbearer_dist
 from torchbearer_dist import DiLoCo, distributed_callbacks
-from torchbearer_dist.sync import wire
+from torchbearer_dist.sync import stop_flag, wire
 
 from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests/ on sys.path)
 
@@ -132,7 +132,11 @@ def _nesterov_bn():
 
 def _stop():
     stopper = _StopOn(rank=1, batch=1)
-    model, _ = _trial('mlp', dict(local_steps=8), extra=[stopper])
+    stop_flag.PERIOD = 2  # this scenario only: a flag every 2 steps (8 by default), within a 10-step epoch
+    try:
+        model, _ = _trial('mlp', dict(local_steps=8), extra=[stopper])
+    finally:
+        stop_flag.PERIOD = 8
     return {'trained': stopper.trained, 'state': _snapshot(model)}
 
 
@@ -278,14 +282,17 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
     per_outer_step = (wire.wire_bytes(sum(p.numel() for p in model.parameters()), 2, 'int8')
                       + 8 * (floating + 1)  # BatchNorm's statistics and the stop flag, as float64
                       + 8)  # num_batches_tracked, broadcast from rank 0
-    # and each step's stop flag, one float64
-    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step + 8 * STEPS] * EPOCHS
+    # and a stop flag, one float64, at the steps 1, 9, 17, ... of the run
+    flags = [sum(1 for step in range(e * STEPS + 1, (e + 1) * STEPS + 1) if (step - 1) % stop_flag.PERIOD == 0)
+             for e in range(EPOCHS)]
+    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step + 8 * n for n in flags]
 
 
 def test_a_stop_on_one_rank_stops_every_rank_at_the_next_step_whatever_h(trained):
     rank0, rank1 = scenario_values(trained, 'stop')
-    # asked at step 2 on rank 1; the stop flag of step 3 carries it, long before the meeting due at step 8
-    assert rank0['trained'] == rank1['trained'] == 3
+    # a flag every 2 steps here: asked at step 2 on rank 1, posted with the flag of step 3, read when the next is
+    # posted, at step 5, and every rank stops after it: before the meeting due at step 8
+    assert rank0['trained'] == rank1['trained'] == 5
     _assert_equal(rank0['state'], rank1['state'])  # the end of the pass met: one model
 
 

@@ -79,9 +79,9 @@ def test_local_steps_keep_the_recipe_and_report_the_meetings(tmp_path):
     assert float(epochs[-1][5]) >= 0.85, result.stdout
     reports = re.findall(r'^communication, epoch \d/2: each rank sent ([\d.]+) kB', result.stdout, re.M)
     # 2 meetings an epoch (steps 32 and the end, 63), each 79,510 parameters in the default int8 wire and the
-    # buffers' float64 flag; one 8-byte stop flag a step
+    # buffers' float64 flag; an 8-byte stop flag every 8 steps (steps 1, 9, ..., 57; 65, ..., 121)
     meeting = wire.wire_bytes(79510, 2, 'int8') + 8
-    assert [float(kb) for kb in reports] == [round((2 * meeting + 63 * 8) / 1e3, 2)] * 2, result.stdout
+    assert [float(kb) for kb in reports] == [round((2 * meeting + 8 * 8) / 1e3, 2)] * 2, result.stdout
 
 
 @pytest.mark.slow

@@ -43,9 +43,9 @@ class DiLoCo(Callback):
     ``state[OPTIMIZER]`` steps, before any ``on_step_training`` callback, and once more at the end of
     each training pass for the steps since the last one, so that validation, checkpoints at the epoch
     end and predictions see one model. A stop requested by any rank (TerminateOnNaN, EarlyStopping,
-    a pre-emption) travels in the next step's stop flag, one value all-reduced while that step
-    computes, and every rank stops after that step, at any ``local_steps``; the end of the pass then
-    meets, so the stopped model is one model.
+    a pre-emption) travels in the next stop flag, one value all-reduced in the background every 8
+    steps and read 8 steps later, and every rank stops after the same step, at most 16 steps later
+    whatever ``local_steps``; the end of the pass then meets: one model.
 
     A step checkpoint (:class:`~torchbearer_dist.Checkpoint`) holds the anchor, the outer optimizer's
     state and, between two outer steps, every rank's local weights and inner optimizer state
@@ -199,12 +199,9 @@ class DiLoCo(Callback):
     def on_sample(self, state):
         self._stop_arrived, self._gathered = False, None
         self._armed = self.engine is not None
-        if self._armed:  # the stop flag of this step: in flight while the step computes, read after it
-            self._flag.post(self._stop_asked)
+        if self._armed:  # this rank's request rides the next stop flag; a flag that arrived stops this step
+            self._stop_arrived = self._flag.step(self._stop_asked)
             self._stop_asked = False
-
-    def _read_flag(self):
-        self._stop_arrived = self._flag.read() or self._stop_arrived
 
     def _after_inner_step(self, optimizer, args, kwargs):
         if not self._armed:  # a step outside the Trial's training steps stays local
@@ -234,7 +231,7 @@ class DiLoCo(Callback):
         self._check_divergence(state)
 
     def _after_step(self, state):  # the StopCarrier of callbacks/stop.py: after every other callback of the step
-        self._read_flag()
+        pass
 
     def _carried_stop(self):
         return self._stop_arrived
@@ -244,7 +241,7 @@ class DiLoCo(Callback):
 
     def on_end_training(self, state):
         self._armed = False
-        self._read_flag()  # a step that ended early
+        self._stop_arrived = self._flag.drain() or self._stop_arrived  # every flag still in flight
         if self.engine is not None and (self.inner_steps > 0 or self.engine.meeting is not None):
             self._outer_step(state)
 
