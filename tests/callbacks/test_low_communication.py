@@ -232,6 +232,13 @@ def _overlap():
     return {'state': _snapshot(model), 'steps': anchors.steps, 'outer_steps': callbacks[-1].engine.steps}
 
 
+def _overlap_at_the_end():
+    """H=5, landing 2 steps later: the meeting that begins at the pass's last step (10) lands there, alone."""
+    callbacks = distributed_callbacks(local_steps=5, overlap_steps=2)
+    model, _ = _trial('mlp', None, callbacks=callbacks)
+    return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps}
+
+
 def _momentum_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
@@ -241,6 +248,7 @@ def _worker(directory):
     return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
                         ('second_model', _second_model), ('no_hooks', _no_hooks),
                         ('resume', functools.partial(_resume, directory)), ('overlap', _overlap),
+                        ('overlap_end', _overlap_at_the_end),
                         ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2))])
 
 
@@ -367,3 +375,9 @@ def test_a_run_resumed_with_a_meeting_in_flight_ends_bit_identical(trained):
     for rank in (rank0, rank1):
         _assert_equal(rank['resumed'], rank['whole'])
     _assert_equal(rank0['whole'], rank1['whole'])
+
+
+def test_a_meeting_that_begins_at_the_last_step_of_a_pass_lands_there_without_another(trained):
+    rank0, rank1 = scenario_values(trained, 'overlap_end')
+    _assert_equal(rank0['state'], rank1['state'])  # one model at the end of the pass
+    assert rank0['outer_steps'] == EPOCHS * 2  # steps 5 (landing at 7) and 10, no third meeting at the end

@@ -224,9 +224,10 @@ class DiLoCo(Callback):
 
     def _outer_step(self, state):
         """A meeting that blocks: every rank ends with the new anchor, bit for bit."""
-        if self.engine.meeting is not None:  # land the one in flight first
+        if self.engine.meeting is not None:  # land the one in flight; no step since it began: that is all
             self.engine.finish(carry=self.inner_steps > 0)
-        self.engine.step()
+        if self.inner_steps > 0:
+            self.engine.step()
         self.inner_steps = 0
         self._check_divergence(state)
 
