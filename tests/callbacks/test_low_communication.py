@@ -351,6 +351,8 @@ def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_avera
     assert isinstance(callbacks[-1], DiLoCo) and callbacks[-1].local_steps == 20
     assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.0, nesterov=True, compression='bf16')
     assert DiLoCo().options['compression'] == 'int8'  # the default wire
+    # meetings land 2 steps after they begin by default; at H=1 they block (the one equivalence)
+    assert [DiLoCo(local_steps=h).overlap_steps for h in (1, 2, 3, 50)] == [0, 1, 2, 2]
     assert DiLoCo(local_steps=20).gain == 1.0 and DiLoCo(local_steps=500, **DiLoCo.PAPER).gain == pytest.approx(7.0)
     assert not any(isinstance(c, torchbearer_dist.AllReduceGradients) for c in callbacks)
 

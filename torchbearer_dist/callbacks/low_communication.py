@@ -13,6 +13,9 @@ from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_
 from torchbearer_dist.sync.diloco_local import gather_local, restore_local
 from torchbearer_dist.sync.stop_flag import StopFlag
 
+#: Steps a meeting is in flight by default: the CNN's int8 meeting at 100 Mbit/s, 0.1 s, is 2 steps of 45 ms.
+OVERLAP_STEPS = 2
+
 
 class DiLoCo(Callback):
     """Train H steps locally on every rank, then average the pseudo-gradients and take an outer step.
@@ -69,10 +72,11 @@ class DiLoCo(Callback):
             in fp32 (:mod:`torchbearer_dist.sync.wire`); or None, the parameters' own dtype in an exact
             all-reduce. The anchor and the outer step stay in full precision
         check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
-        overlap_steps (int): 0: each meeting blocks; k > 0: a meeting lands k steps after it began, the
-            ranks training on meanwhile (its wire time hidden behind k steps); the anchor then steps and
-            each rank keeps its progress since (the anchors are compared, bit for bit); below
-            ``local_steps``. The meeting at the end of a training pass always blocks.
+        overlap_steps (int): k > 0: a meeting lands k steps after it began, the ranks training on
+            meanwhile (its wire time hidden behind k steps); the anchor then steps and each rank keeps
+            its progress since (the anchors are compared, bit for bit); 0: each meeting blocks; below
+            ``local_steps``; None (the default): 2, or ``local_steps - 1`` when that is less. The
+            meeting at the end of a training pass always blocks.
 
     Raises:
         ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``,
@@ -90,14 +94,14 @@ class DiLoCo(Callback):
         rank must run the same number of steps (see :class:`EvenBatches`).
     """
 
-    #: The DiLoCo paper's outer optimizer, for ``DiLoCo(local_steps=H, **DiLoCo.PAPER)``: gain 7 (see above).
-    PAPER = PAPER
+    PAPER = PAPER  #: The paper's outer optimizer, for ``DiLoCo(local_steps=H, **DiLoCo.PAPER)``: gain 7.
 
     def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression='int8',
-                 check_divergence=True, overlap_steps=0):
+                 check_divergence=True, overlap_steps=None):
         super().__init__()
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError('local_steps should be an integer >= 1, but given {!r}'.format(local_steps))
+        overlap_steps = min(OVERLAP_STEPS, local_steps - 1) if overlap_steps is None else overlap_steps
         if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or \
                 not 0 <= overlap_steps < local_steps:
             raise ValueError('overlap_steps should be an integer >= 0 and below local_steps ({}), but given '
