@@ -64,6 +64,7 @@ def contender_name(local_steps, outer, compression, overlap='default'):
 def train(model_name, local_steps, outer, compression, overlap, seed, data, epochs):
     """One run of the example's recipe on this rank; returns (final global test accuracy, seconds)."""
     import contenders
+    import diloco
     import torch
     from example_parts import Net
     from torch.utils.data import DataLoader, DistributedSampler
@@ -74,13 +75,10 @@ def train(model_name, local_steps, outer, compression, overlap, seed, data, epoc
     torch.manual_seed(seed)
     model = Net() if model_name == 'mlp' else contenders.cnn1m()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    options = {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1])
-    if compression != 'default':
-        options['compression'] = None if compression == 'none' else compression
-    if overlap not in ('default', None):
-        options['overlap_steps'] = int(overlap)
+    options = {} if local_steps is None else diloco.diloco_options(
+        compression, {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1]), overlap)
     callbacks = tbd.distributed_callbacks(flatten_images=model_name == 'mlp', local_steps=local_steps, report=False,
-                                          **(options if local_steps is not None else {}))
+                                          **options)
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), metrics=['acc'], callbacks=callbacks, verbose=0)
     trial.with_generators(DataLoader(train_set, batch_size=32, sampler=DistributedSampler(train_set, seed=seed)),
                           val_generator=DataLoader(test_set, batch_size=500,

@@ -38,7 +38,7 @@ from _dist import ROOT, python, run_command, run_in_step, run_workers, scenario_
 BATCHES = 8  # per rank and epoch
 EPOCHS = 2
 SLEEP = 0.05  # seconds rank 1 sleeps per step in the slow-rank scenario
-END_OF_PASS = 0.5  # seconds of a callback's on_end_training after the report's
+END_OF_PASS = 1.0  # seconds of a callback's on_end_training after the report's; 8 tiny steps take far less
 LINE = re.compile(r'^communication, epoch (\d+)/(\d+): (.*)$', re.M)
 
 
@@ -181,12 +181,10 @@ def test_a_verbose_0_trial_prints_nothing_and_the_history_keeps_the_figures(rank
 @pytest.mark.slow
 def test_the_training_time_ends_after_every_callbacks_end_of_pass_work(ranks):
     # The callback sleeping in on_end_training sits after the report: its time is the pass's, as DiLoCo's last
-    # meeting is, wherever the report sits. Every step and the rest of the pass take far less than END_OF_PASS
-    # (the default scenario's train_s).
-    quick = [entry[TRAIN_TIME] for entry in scenario_values(ranks, 'default')[0]['history']]
-    for entry, default in zip(scenario_values(ranks, 'end_of_pass')[0]['history'], quick):
+    # meeting is, wherever the report sits. A lower bound only, which load cannot break: the old clock stopped
+    # before the sleep and measured the 8 tiny steps alone.
+    for entry in scenario_values(ranks, 'end_of_pass')[0]['history']:
         assert END_OF_PASS <= entry[TRAIN_TIME], entry
-        assert default < END_OF_PASS, quick
 
 
 @pytest.mark.slow

@@ -110,9 +110,22 @@ def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS
     return model, callbacks
 
 
+class _Count(Callback):
+    """A user's own callback: counts the training steps it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def on_step_training(self, state):
+        self.steps += 1
+
+
 def _equivalence():
-    model, _ = _trial('mlp', dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, compression=None))
-    return _snapshot(model)
+    before, after = _Count(), _Count()  # the user's callbacks on both sides of ours
+    options = dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, compression=None)
+    model, _ = _trial('mlp', None, extra=[before], callbacks=distributed_callbacks(**options) + [after])
+    return {'state': _snapshot(model), 'steps': (before.steps, after.steps)}
 
 
 class _History(Callback):
@@ -265,6 +278,8 @@ def _assert_equal(a, b):
 
 def test_one_local_step_outer_lr_one_no_momentum_is_gradient_averaging(trained):
     rank0, rank1 = scenario_values(trained, 'equivalence')
+    assert rank0['steps'] == rank1['steps'] == (EPOCHS * STEPS, EPOCHS * STEPS)
+    rank0, rank1 = rank0['state'], rank1['state']
     _assert_equal(rank0, rank1)
     reference = _reference()
     difference = max((rank0[k] - reference[k]).abs().max().item() for k in reference)

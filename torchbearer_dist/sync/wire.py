@@ -134,7 +134,7 @@ class PendingMean:
                       for out, part in zip(self.received, sent)]
         self.gathered = None
         #: Payload bytes handed to the collectives: the encoded vector, as an all-reduce of it would be handed.
-        self.bytes = sum(part.numel() * part.element_size() for part in sent)
+        self.bytes = wire_bytes(values.numel(), self.world, encoding)
 
     def advance(self):
         """Wait for the all-to-all, add this rank's chunk in fp32 (in rank order) and post the all-gather."""
