@@ -39,6 +39,8 @@ def _model(kind, seed):
     torch.manual_seed(seed)
     if kind == 'bn':
         return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
+    if kind == 'bn-no-dropout':  # no RNG drawn in training: the same steps whatever the loaders drew
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
@@ -90,17 +92,19 @@ class _InterruptAt(Callback):
 
 
 def _trial(kind, options, optimizer=None, extra=(), shuffle=False, epochs=EPOCHS, checkpoint=None, resume=False,
-           callbacks=None):
+           callbacks=None, every_steps=4, repeats=1, validation=False):
     rank = dist.get_rank()
     model = _model(kind, SEED + rank)  # differently seeded ranks: BroadcastParameters is part of what is checked
-    dataset = TensorDataset(*_data())
+    dataset = TensorDataset(*[torch.cat([t] * repeats) for t in _data()])
     loader = DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=shuffle, seed=5))
     optimizer = optimizer(model) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=LR)
     callbacks = list(extra) + (callbacks if callbacks is not None else distributed_callbacks(**options))
     if checkpoint is not None:
-        callbacks.insert(0, torchbearer_dist.Checkpoint(checkpoint, every_steps=4))
+        callbacks.insert(0, torchbearer_dist.Checkpoint(checkpoint, every_steps=every_steps))
     trial = torchbearer.Trial(model, optimizer, nn.CrossEntropyLoss(), metrics=['loss'], callbacks=callbacks,
                               verbose=0).with_train_generator(loader)
+    if validation:
+        trial.with_val_generator(DataLoader(TensorDataset(*_data()), batch_size=B))
     if resume:
         torchbearer_dist.load_checkpoint(checkpoint, trial=trial)
     try:
@@ -197,26 +201,29 @@ def _no_hooks():
     return None
 
 
-def _resume(directory, overlap_steps=0):
+def _resume(directory, overlap_steps=0, every_steps=4, cut=6):
     """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed.
 
     With ``overlap_steps=2`` the meeting that began at step 3 is in flight at the checkpoint (it lands at 5).
+    With ``every_steps=None, cut=13`` the checkpoint is the first epoch's end, step 10, 1 after an outer step.
     """
     torch.manual_seed(0)
     sgd = _momentum_sgd
     # the outer momentum is state a resume must restore too
     options = dict(local_steps=3, overlap_steps=overlap_steps, **DiLoCo.PAPER)
+    name = '{}-{}.pt'.format(overlap_steps, every_steps)
     whole, _ = _trial('bn', options, optimizer=sgd, shuffle=True, extra=[_InterruptAt(None)],
-                      checkpoint=os.path.join(directory, 'whole{}.pt'.format(overlap_steps)))
+                      checkpoint=os.path.join(directory, 'whole' + name), every_steps=every_steps, validation=True)
     torch.manual_seed(0)
-    path = os.path.join(directory, 'cut{}.pt'.format(overlap_steps))
-    _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(6)])
+    path = os.path.join(directory, 'cut' + name)
+    _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, extra=[_InterruptAt(cut)],
+           every_steps=every_steps, validation=True)
     saved = torch.load(path, weights_only=True) if dist.get_rank() == 0 else None
     torch.manual_seed(1)  # the resumed run owes nothing to this process's RNG
     resumed, _ = _trial('bn', options, optimizer=sgd, shuffle=True, checkpoint=path, resume=True,
-                        extra=[_InterruptAt(None)])  # the same callbacks in the same places: their states restore
+                        extra=[_InterruptAt(None)], every_steps=every_steps, validation=True)  # their states restore
     diloco = None if saved is None else next(e['state'] for e in saved['callbacks'] if e['type'].endswith('.DiLoCo'))
-    return {'whole': _snapshot(whole), 'resumed': _snapshot(resumed), 'position': saved and saved['position'],
+    return {'whole': _snapshot(whole), 'resumed': _snapshot(resumed), 'position': saved and saved.get('position'),
             'inner_steps': diloco and diloco['inner_steps'], 'local': diloco and len(diloco['local'] or ()),
             'meeting': diloco and diloco.get('meeting') and diloco['meeting']['due'],
             'dtypes': diloco and sorted({str(t.dtype) for entry in diloco['local'] for t in
@@ -252,6 +259,31 @@ def _overlap_at_the_end():
     return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps}
 
 
+class _Validated(Callback):
+    """Records, at each epoch end (after the validation pass), the model validated and DiLoCo's anchor."""
+
+    def __init__(self, diloco):
+        super().__init__()
+        self.diloco, self.seen = diloco, []
+
+    def on_end_epoch(self, state):
+        params = [p.detach().clone() for p in state[torchbearer.MODEL].parameters()]
+        self.seen.append((_snapshot(state[torchbearer.MODEL]), params, [a.clone() for a in self.diloco.engine.anchor]))
+
+
+def _across_epochs():
+    """H=4, meetings landing 2 steps late: 2 epochs of 10 steps with a validation between, and 1 epoch of 20."""
+    runs = {}
+    for epochs, repeats in ((EPOCHS, 1), (1, EPOCHS)):  # the same batches in the same order
+        callbacks = distributed_callbacks(local_steps=4, overlap_steps=2, **DiLoCo.PAPER)
+        validated = _Validated(callbacks[-1])
+        model, _ = _trial('bn-no-dropout', None, optimizer=_momentum_sgd, extra=[validated], callbacks=callbacks,
+                          epochs=epochs, repeats=repeats, validation=True)
+        runs[epochs] = {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps,
+                        'validated': validated.seen}
+    return runs
+
+
 def _momentum_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
@@ -262,7 +294,9 @@ def _worker(directory):
                         ('second_model', _second_model), ('no_hooks', _no_hooks),
                         ('resume', functools.partial(_resume, directory)), ('overlap', _overlap),
                         ('overlap_end', _overlap_at_the_end),
-                        ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2))])
+                        ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2)),
+                        ('across_epochs', _across_epochs),
+                        ('resume_epoch_end', functools.partial(_resume, directory, every_steps=None, cut=13))])
 
 
 @pytest.fixture(scope='module')
@@ -293,7 +327,7 @@ def test_one_local_step_outer_lr_one_no_momentum_is_gradient_averaging(trained):
 def test_replicas_are_bit_identical_after_nesterov_outer_steps_with_batchnorm(trained):
     rank0, rank1 = scenario_values(trained, 'nesterov_bn')
     _assert_equal(rank0['state'], rank1['state'])  # running statistics averaged too
-    assert rank0['outer_steps'] == EPOCHS * 4  # steps 3, 6, 9 and the epoch end (10), each epoch
+    assert rank0['outer_steps'] == 7  # every 3 steps across the epoch end (3, 6, ..., 18) and the run's end (20)
     assert rank0['state']['1.num_batches_tracked'].item() == EPOCHS * STEPS
 
 
@@ -308,7 +342,8 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
     # and a stop flag, one float64, at the steps 1, 9, 17, ... of the run
     flags = [sum(1 for step in range(e * STEPS + 1, (e + 1) * STEPS + 1) if (step - 1) % stop_flag.PERIOD == 0)
              for e in range(EPOCHS)]
-    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [4 * per_outer_step + 8 * n for n in flags]
+    meetings = [3, 4]  # steps 3, 6, 9; then 12, 15, 18 and the run's end, 20
+    assert rank0['comm_bytes'] == rank1['comm_bytes'] == [m * per_outer_step + 8 * n for m, n in zip(meetings, flags)]
 
 
 def test_a_stop_on_one_rank_stops_every_rank_at_the_next_step_whatever_h(trained):
@@ -374,16 +409,15 @@ def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_avera
 
 def test_a_meeting_in_flight_lands_overlap_steps_later_with_the_anchors_bit_identical(trained):
     rank0, rank1 = scenario_values(trained, 'overlap')
-    # 10 steps an epoch: meetings begin at steps 4 and 8 and land at 6 and 10 (10: the end of the pass, which
-    # lands it and meets once more, blocking), every epoch
-    assert [flying for flying, _ in rank0['steps']] == [False, False, False, True, True, False, False, True, True,
-                                                          False] * EPOCHS
+    # every 4 steps across the epoch end: meetings begin at steps 4, 8, 12, 16 and 20 and land 2 steps later,
+    # the last at once (the run's end blocks)
+    assert [flying for flying, _ in rank0['steps']] == [False] * 3 + [True, True, False, False] * 4 + [True]
     for (_, mine), (_, theirs) in zip(rank0['steps'], rank1['steps']):
         for a, b in zip(mine, theirs):
             assert torch.equal(a, b)
     assert not torch.equal(rank0['steps'][4][1][0], rank0['steps'][5][1][0])  # the anchor moved when it landed
-    _assert_equal(rank0['state'], rank1['state'])  # the end of the pass met, blocking: one model
-    assert rank0['outer_steps'] == EPOCHS * 3
+    _assert_equal(rank0['state'], rank1['state'])  # the end of the run met, blocking: one model
+    assert rank0['outer_steps'] == 5
 
 
 def test_a_run_resumed_with_a_meeting_in_flight_ends_bit_identical(trained):
@@ -398,3 +432,28 @@ def test_a_meeting_that_begins_at_the_last_step_of_a_pass_lands_there_without_an
     rank0, rank1 = scenario_values(trained, 'overlap_end')
     _assert_equal(rank0['state'], rank1['state'])  # one model at the end of the pass
     assert rank0['outer_steps'] == EPOCHS * 2  # steps 5 (landing at 7) and 10, no third meeting at the end
+
+
+def test_meetings_go_every_h_steps_across_epoch_ends_which_change_nothing_in_training(trained):
+    for rank in scenario_values(trained, 'across_epochs'):
+        # two epochs with a validation between end bit-identical to one epoch of the same 20 batches
+        _assert_equal(rank[EPOCHS]['state'], rank[1]['state'])
+        assert rank[EPOCHS]['outer_steps'] == rank[1]['outer_steps'] == 5  # landing at 6, 10, 14, 18; 20
+
+
+def test_validation_between_two_meetings_sees_the_anchor_every_rank_holds(trained):
+    rank0, rank1 = scenario_values(trained, 'across_epochs')
+    (model0, params0, anchor0), (model1, _, _) = rank0[EPOCHS]['validated'][0], rank1[EPOCHS]['validated'][0]
+    for p, a in zip(params0, anchor0):  # the first epoch ends 2 steps after a meeting: the anchor shows
+        assert torch.equal(p, a)
+    _assert_equal(model0, model1)  # the BatchNorm statistics as of that meeting too
+    assert not torch.equal(params0[0], rank0[EPOCHS]['validated'][1][1][0])
+
+
+def test_a_run_resumed_from_an_epoch_end_checkpoint_between_two_meetings_ends_bit_identical(trained):
+    rank0, rank1 = scenario_values(trained, 'resume_epoch_end')
+    assert rank0['position'] is None  # an epoch-end checkpoint
+    assert rank0['inner_steps'] == 1 and rank0['local'] == 2  # 1 step after the meeting at 9: every rank's own state
+    for rank in (rank0, rank1):
+        _assert_equal(rank['resumed'], rank['whole'])
+    _assert_equal(rank0['whole'], rank1['whole'])

@@ -184,6 +184,17 @@ def synchronised(state):
     return entries
 
 
+def buffers(state):
+    """Every buffer of every module the state holds, each once, in the same order on every rank."""
+    seen, found = set(), []
+    for _, module in held_modules(state):
+        for buffer in module.buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append(buffer)
+    return found
+
+
 def ddp_parameters(state):
     """ids of the parameters that a DistributedDataParallel model in the state averages itself."""
     return {id(p) for _, module in held_modules(state) if isinstance(module, DistributedDataParallel)

@@ -90,8 +90,8 @@ class CommunicationReport(Callback):
       flight (from each step's first all-reduce to the end of its last wait), on the rank that
       waited least.
     - ``train_s``: the seconds of the training pass (the longest over ranks), up to the end of every
-      callback's ``on_end_training``: DiLoCo's meeting at the end of the pass is inside it, as its bytes
-      and waits are inside the others.
+      callback's ``on_end_training``: DiLoCo's last meeting, at the end of the run's last pass, is
+      inside it, as its bytes and waits are inside the others.
     - ``slowest_rank`` and ``slowest_lag_s``: the rank that computed longest (its training time less
       its waits) and by how many seconds it trailed the fastest; every other rank waited that long
       for it.

@@ -1,7 +1,6 @@
 """Low-communication training in a Trial: :class:`DiLoCo`, a thin callback over :mod:`torchbearer_dist.sync.diloco`."""
 import weakref
 
-import torch
 import torchbearer
 from torch.nn.parallel import DistributedDataParallel
 from torchbearer import Callback
@@ -9,7 +8,7 @@ from torchbearer import Callback
 from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
 from torchbearer_dist.sync import collectives, models
-from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, gain
+from torchbearer_dist.sync.diloco import PAPER, OuterStep, check_options, check_parameters, check_rounds, gain
 from torchbearer_dist.sync.diloco_local import gather_local, restore_local
 from torchbearer_dist.sync.stop_flag import StopFlag
 
@@ -43,14 +42,16 @@ class DiLoCo(Callback):
 
     After every outer step every rank holds the same weights, bit for bit, and the divergence
     sentinel compares them (one small all-reduce). The outer step runs right after
-    ``state[OPTIMIZER]`` steps, before any ``on_step_training`` callback, and once more at the end of
-    each training pass for the steps since the last one, so that validation, checkpoints at the epoch
-    end and predictions see one model. A stop requested by any rank (TerminateOnNaN, EarlyStopping,
-    a pre-emption) travels in the next stop flag, one value all-reduced in the background every 8
-    steps and read 8 steps later, and every rank stops after the same step, at most 16 steps later
-    whatever ``local_steps``; the end of the pass then meets: one model.
+    ``state[OPTIMIZER]`` steps, before any ``on_step_training`` callback, every H steps across epoch
+    ends. Between two, validation, epoch-end callbacks and checkpoints see the anchor, the model every
+    rank agreed on at the last meeting (each rank's own weights return for the next pass); the run's
+    last pass ends with a meeting, so the model it leaves (for predictions) holds every rank's
+    progress. A run stopped after a validation (EarlyStopping) keeps the model it validated. A stop
+    requested by any rank (TerminateOnNaN, a pre-emption) travels in the next stop flag, one value
+    all-reduced in the background every 8 steps and read 8 steps later: every rank stops after the
+    same step, at most 16 steps later whatever ``local_steps``.
 
-    A step checkpoint (:class:`~torchbearer_dist.Checkpoint`) holds the anchor, the outer optimizer's
+    A checkpoint of :class:`~torchbearer_dist.Checkpoint` holds the anchor, the outer optimizer's
     state and, between two outer steps, every rank's local weights and inner optimizer state
     (gathered on rank 0): a run resumed from it at the same world size ends bit-identical to one
     never interrupted. At another world size every rank starts again from the anchor.
@@ -76,7 +77,7 @@ class DiLoCo(Callback):
             meanwhile (its wire time hidden behind k steps); the anchor then steps and each rank keeps
             its progress since (the anchors are compared, bit for bit); 0: each meeting blocks; below
             ``local_steps``; None (the default): 2, or ``local_steps - 1`` when that is less. The
-            meeting at the end of a training pass always blocks.
+            run's last meeting blocks.
 
     Raises:
         ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``,
@@ -99,19 +100,10 @@ class DiLoCo(Callback):
     def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression='int8',
                  check_divergence=True, overlap_steps=None):
         super().__init__()
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError('local_steps should be an integer >= 1, but given {!r}'.format(local_steps))
-        overlap_steps = min(OVERLAP_STEPS, local_steps - 1) if overlap_steps is None else overlap_steps
-        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or \
-                not 0 <= overlap_steps < local_steps:
-            raise ValueError('overlap_steps should be an integer >= 0 and below local_steps ({}), but given '
-                             '{!r}'.format(local_steps, overlap_steps))
-        self.overlap_steps = overlap_steps
+        self.overlap_steps = check_rounds(local_steps, overlap_steps, OVERLAP_STEPS, check_divergence)
+        check_options(outer_lr, outer_momentum, nesterov, compression)
         self._due = 0  # steps until the meeting in flight lands
         self._landed = None  # what a meeting in flight brought, for the step checkpoint being written
-        check_options(outer_lr, outer_momentum, nesterov, compression)
-        if not isinstance(check_divergence, bool):
-            raise ValueError('check_divergence should be True or False, but given {!r}'.format(check_divergence))
         self.local_steps = local_steps
         self.options = dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                             compression=compression)
@@ -154,12 +146,14 @@ class DiLoCo(Callback):
         if self.engine is None or not self.engine.same_params(params):
             self._retired = tuple(a + b for a, b in zip(self._retired, self.engine.traffic())) \
                 if self.engine is not None else self._retired
-            self.engine = OuterStep(params, self._buffers(state), **self.options)  # the anchor: rank 0's weights
+            self.engine = OuterStep(params, _held.buffers(state), **self.options)  # the anchor: rank 0's weights
             self.inner_steps = 0
         else:
-            self.engine.buffers = self._buffers(state)
-            if fresh and self._pending is None:
-                self._restart(state)
+            self.engine.set_buffers(_held.buffers(state))
+            if fresh and self._pending is None:  # a new run of the same models
+                self.engine.restart(mid_round=self.inner_steps > 0)
+                self.inner_steps = 0
+            self.engine.show_local()  # after the anchor showed for validation and the epoch end (if it did)
         if self._pending is not None:  # a loaded checkpoint's state
             self.engine.load_state_dict(self._pending['engine'])
             self.inner_steps, self._due = restore_local(self.engine, self._pending, state[torchbearer.OPTIMIZER])
@@ -178,27 +172,6 @@ class DiLoCo(Callback):
         flag = (self._flag.bytes_sent, self._flag.wait_seconds, self._flag.wait_seconds)
         engine = self.engine.traffic() if self.engine is not None else (0, 0.0, 0.0)
         return tuple(a + b + c for a, b, c in zip(self._retired, engine, flag))
-
-    def _restart(self, state):
-        """A new run of the same models: from the weights as they are, or from the anchor after a run that raised."""
-        self.engine.meeting = None  # one in flight when the last run raised
-        if self.inner_steps > 0:  # the ranks' weights differ: go on from the last point they shared
-            with torch.no_grad():
-                for p, a in zip(self.engine.params, self.engine.anchor):
-                    p.copy_(a)
-            self.inner_steps = 0
-        else:
-            self.engine.reset_anchor()
-
-    @staticmethod
-    def _buffers(state):
-        seen, buffers = set(), []
-        for _, module in _held.held_modules(state):
-            for buffer in module.buffers():
-                if id(buffer) not in seen:
-                    seen.add(id(buffer))
-                    buffers.append(buffer)
-        return buffers
 
     def on_sample(self, state):
         self._stop_arrived, self._gathered = False, None
@@ -247,12 +220,26 @@ class DiLoCo(Callback):
     def on_end_training(self, state):
         self._armed = False
         self._stop_arrived = self._flag.drain() or self._stop_arrived  # every flag still in flight
-        if self.engine is not None and (self.inner_steps > 0 or self.engine.meeting is not None):
-            self._outer_step(state)
+        if self.engine is None:
+            return
+        last = state[torchbearer.EPOCH] + 1 >= state[torchbearer.MAX_EPOCHS] or state[torchbearer.STOP_TRAINING] or \
+            self._stop_arrived or self._agreement.requested
+        if collectives.any_rank(last):  # the run's last pass: one model, every rank's progress in it
+            if self.inner_steps > 0 or self.engine.meeting is not None:
+                self._outer_step(state)
+            return
+        if self.engine.meeting is not None:  # the round goes on into the next pass: land what is in flight
+            self.engine.finish(carry=True)
+            self._check_divergence(state, anchor=True)
+        if self.inner_steps > 0:
+            self.engine.show_anchor()  # validation and the epoch end see the last model every rank agreed on
 
     def on_end(self, state):
         self._agreement.close_run(state)
         self._remove_hook()
+        if self.engine is not None and self.engine.local is not None:  # stopped after a validation (EarlyStopping)
+            self.engine.show_local(keep=False)  # the model validated, the one every rank holds, is the run's
+            self.inner_steps = 0
 
     def _remove_hook(self):
         if self._hook is not None:
@@ -274,7 +261,7 @@ class DiLoCo(Callback):
     def gather_for_checkpoint(self, state):
         """Send every rank's local weights and inner optimizer state to rank 0, for a step checkpoint.
 
-        Called by :class:`~torchbearer_dist.Checkpoint` on every rank just before it writes a step
+        Called by :class:`~torchbearer_dist.Checkpoint` on every rank just before it writes a
         checkpoint; nothing travels at an outer-step boundary, where every rank holds the anchor.
 
         .. warning:: A synchronization point: every rank must call it at the same step.
@@ -282,11 +269,14 @@ class DiLoCo(Callback):
         self._gathered = None
         if self.engine is None or collectives.world_size() == 1:
             return
-        meeting = self.engine.meeting
+        meeting, shown = self.engine.meeting, self.engine.local is not None
         if self.inner_steps > 0 or meeting is not None:
             self._landed = meeting.shared() if meeting is not None else None  # waits: the same on every rank
+            self.engine.show_local()  # each rank's own values, if the anchor shows (an epoch-end checkpoint)
             self._gathered = gather_local(self.engine, state[torchbearer.OPTIMIZER],
                                           meeting.local() if meeting is not None else ())
+            if shown:
+                self.engine.show_anchor()
 
     def state_dict(self):
         if self.engine is None:

@@ -203,10 +203,7 @@ class Checkpoint(Callback):
         """
         if self._resharded:
             return
-        for callback in list(state[torchbearer.CALLBACK_LIST]):  # state that differs per rank goes to rank 0 (DiLoCo)
-            gather = getattr(callback, 'gather_for_checkpoint', None)
-            if callable(gather):
-                gather(state)
+        _gather_for_checkpoint(state)
         rngs = _midepoch.gather_rng_states(self._epoch_rng)
         self._last_save = time.monotonic()
         if collectives.rank() != 0:
@@ -225,6 +222,7 @@ class Checkpoint(Callback):
         history = state[torchbearer.HISTORY]
         if len(history) % self.every != 0:
             return
+        _gather_for_checkpoint(state)  # between two DiLoCo meetings, every rank's own weights
         rngs = _midepoch.gather_rng_states(None)  # every rank: the RNGs the next epoch starts from
         if collectives.rank() == 0:
             _write_checkpoint(self.path, _payload(state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history,
@@ -238,6 +236,14 @@ class Checkpoint(Callback):
 
     def on_end(self, state):
         self._end_training()
+
+
+def _gather_for_checkpoint(state):
+    """Have every callback with state that differs per rank (DiLoCo between meetings) send it to rank 0."""
+    for callback in list(state[torchbearer.CALLBACK_LIST]):
+        gather = getattr(callback, 'gather_for_checkpoint', None)
+        if callable(gather):
+            gather(state)
 
 
 def _steps_total(state):

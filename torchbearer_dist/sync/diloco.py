@@ -64,6 +64,19 @@ def check_options(outer_lr, outer_momentum, nesterov, compression):
                          "but given {!r}".format(compression))
 
 
+def check_rounds(local_steps, overlap_steps, default_overlap, check_divergence):
+    """Raise ValueError, naming the value, for a bad round option; return ``overlap_steps`` (None: the default)."""
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError('local_steps should be an integer >= 1, but given {!r}'.format(local_steps))
+    overlap_steps = min(default_overlap, local_steps - 1) if overlap_steps is None else overlap_steps
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or not 0 <= overlap_steps < local_steps:
+        raise ValueError('overlap_steps should be an integer >= 0 and below local_steps ({}), but given '
+                         '{!r}'.format(local_steps, overlap_steps))
+    if not isinstance(check_divergence, bool):
+        raise ValueError('check_divergence should be True or False, but given {!r}'.format(check_divergence))
+    return overlap_steps
+
+
 def check_parameters(named_params):
     """Raise ValueError, naming the parameter, for one the outer step cannot average (not dense and real floating)."""
     for name, p in named_params:
@@ -109,6 +122,8 @@ class OuterStep:
         self.compression = compression
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
+            self.buffer_anchor = [b.detach().clone() for b in self.buffers]  # the buffers as of the last meeting
+        self.local = None  # each rank's own parameters and buffers while show_anchor() put the anchor in their place
         self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0) if self.anchor else None
         self.steps = 0
@@ -127,6 +142,12 @@ class OuterStep:
         """
         return self.bytes_sent, self.comm_seconds, self.comm_seconds
 
+    def set_buffers(self, buffers):
+        """Average ``buffers`` from now on (a new run's); new ones take their values as their anchor."""
+        buffers = list(buffers)
+        if len(buffers) != len(self.buffers) or any(a is not b for a, b in zip(buffers, self.buffers)):
+            self.buffers, self.buffer_anchor = buffers, [b.detach().clone() for b in buffers]
+
     def same_params(self, params):
         """Whether ``params`` are the tensors this engine was built over, in order."""
         return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
@@ -134,8 +155,43 @@ class OuterStep:
     def reset_anchor(self):
         """Take the current parameters as the anchor (after they were copied from rank 0, or loaded)."""
         with torch.no_grad():
-            for a, p in zip(self.anchor, self.params):
+            for a, p in zip(self.anchor + self.buffer_anchor, self.params + self.buffers):
                 a.copy_(p)
+
+    @torch.no_grad()
+    def restart(self, mid_round):
+        """A new run: from the anchor if it ended between two meetings (a run that raised), else from the weights.
+
+        Args:
+            mid_round (bool): the last run trained steps since the last meeting, so the ranks' weights differ
+        """
+        self.meeting = None  # one in flight when the last run raised
+        if self.local is not None:  # the last run ended showing the anchor (after a validation): it goes on from there
+            self.show_local(keep=False)
+        elif mid_round:
+            for p, a in zip(self.params, self.anchor):
+                p.copy_(a)
+            return
+        self.reset_anchor()
+
+    @torch.no_grad()
+    def show_anchor(self):
+        """Put the anchor, the model every rank agreed on at the last meeting, in the parameters' and buffers' place.
+
+        Each rank's own values are kept aside until :meth:`show_local`: between two meetings this is the
+        one model the ranks share, for a validation pass or a checkpoint in the middle of a round.
+        """
+        if self.local is None:
+            self.local = [t.detach().clone() for t in self.params + self.buffers]
+            for t, a in zip(self.params + self.buffers, self.anchor + self.buffer_anchor):
+                t.copy_(a)
+
+    @torch.no_grad()
+    def show_local(self, keep=True):
+        """Put each rank's own values back after :meth:`show_anchor`; ``keep=False`` drops them (the anchor stays)."""
+        local, self.local = self.local, None
+        for t, own in zip(self.params + self.buffers, local if keep and local is not None else ()):
+            t.copy_(own)
 
     @torch.no_grad()
     def step(self, stop=False):
@@ -202,20 +258,23 @@ class OuterStep:
         self.steps += 1
         if collectives.world_size() == 1:
             return bool(meeting.stop)
-        floating = [b for b in self.buffers if b.is_floating_point()]
+        pairs = list(zip(self.buffers, self.buffer_anchor))
         offset = 0
-        for b in floating:
+        for b, anchor in [(b, a) for b, a in pairs if b.is_floating_point()]:
             n = b.numel()
             mean = (buffer_mean[offset:offset + n] / collectives.world_size()).view_as(b)
             b.copy_(b + mean - meeting.buffers[offset:offset + n].view_as(b) if carry else mean)
+            anchor.copy_(mean)
             offset += n
-        for b, (own, zero) in zip([b for b in self.buffers if not b.is_floating_point()], ranks_zero):
+        for (b, anchor), (own, zero) in zip([(b, a) for b, a in pairs if not b.is_floating_point()], ranks_zero):
             b.copy_(b + zero - own if carry else zero)
+            anchor.copy_(zero)
         return bool(buffer_mean[-1].item() > 0)
 
     def state_dict(self):
-        """The anchor, the outer optimizer's state and the number of outer steps: plain values and tensors."""
+        """The anchor (with the buffers as of the last meeting), the outer optimizer's state and the outer steps."""
         return {'anchor': [a.detach().clone() for a in self.anchor],
+                'buffer_anchor': [a.detach().clone() for a in self.buffer_anchor],
                 'outer': self.outer.state_dict() if self.outer is not None else None, 'steps': self.steps}
 
     def load_state_dict(self, state):
@@ -230,6 +289,8 @@ class OuterStep:
                              'resume with the model that wrote the checkpoint'.format(len(anchor), len(self.anchor)))
         with torch.no_grad():
             for a, saved in zip(self.anchor, anchor):
+                a.copy_(saved)
+            for a, saved in zip(self.buffer_anchor, state.get('buffer_anchor', ())):  # older checkpoints have none
                 a.copy_(saved)
         if self.outer is not None and state['outer'] is not None:
             self.outer.load_state_dict(state['outer'])
