@@ -26,11 +26,14 @@ LOWER = {
     'sync': {'runtime', '_once'},
     'data': {'sync', 'runtime', '_once'},
     '_torchbearer': {'_once'},
-    'callbacks': {'data', 'sync', 'runtime', '_torchbearer', '_once'},
+    'callbacks': {'data', 'sync', 'runtime', '_torchbearer', '_once', 'ft'},
     'checkpoint': {'data', 'sync', 'runtime', '_torchbearer', '_once'},
+    # The fault-tolerant mode (torchft) builds on the callbacks and checkpoints it plugs into; distributed_callbacks
+    # reaches it only lazily, where the user asks for it (fault_tolerant=...).
+    'ft': {'callbacks', 'checkpoint', 'data', 'sync', 'runtime', '_torchbearer', '_once'},
 }
 #: The layers that may import torchbearer itself.
-TORCHBEARER = {'callbacks', 'checkpoint', '_torchbearer'}
+TORCHBEARER = {'callbacks', 'checkpoint', '_torchbearer', 'ft'}
 #: Foreign libraries whose private names stay in private modules.
 FOREIGN = ('torch', 'torchbearer')
 #: Internal module names of foreign libraries that are private in all but name.

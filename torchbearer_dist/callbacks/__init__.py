@@ -26,7 +26,7 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
                           loss_reduction='auto', check_data=True, check_order='raise', local_steps=None, report=True,
-                          metric_reduction=None, **all_reduce):
+                          metric_reduction=None, fault_tolerant=None, **all_reduce):
     """The standard set of callbacks that makes a Trial data-parallel, in working order.
 
     They work wherever they sit in the Trial's callback list, before or after your own callbacks:
@@ -66,6 +66,12 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             in place of :class:`AllReduceGradients` (for slow links); ``**all_reduce`` then holds
             DiLoCo's options (``outer_lr``, ``outer_momentum``, ``compression``, ...); None (the default)
             averages gradients at every step
+        fault_tolerant (str or bool): the fault-tolerant mode, on torchft (``pip install "torchbearer_dist[ft]"``):
+            the lighthouse's ``'HOST:PORT'`` (True: ``$TORCHFT_LIGHTHOUSE``). Each process is then a replica
+            that trains on among the live ones when others are lost and heals live when it (re)starts
+            (:class:`~torchbearer_dist.ft.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
+            ``replica_id``, ``min_replicas``, ``timeout``, ``host``); the list is then SetSamplerEpoch,
+            optionally FlattenImages, and FaultTolerantAllReduce. None (the default): the fail-fast mode
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,
             ``check_divergence``, ...)
 
@@ -74,6 +80,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         CommunicationReport (unless ``report=False``), optionally FlattenImages, and AllReduceGradients
         (or AgreeOnStop; or DiLoCo with ``local_steps``) last
     """
+    if fault_tolerant is not None and fault_tolerant is not False:
+        return _fault_tolerant(fault_tolerant, flatten_images, ddp, local_steps, check_order, loss_reduction,
+                               all_reduce)
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data, check_order=check_order),
                  EvenBatches(policy=uneven),
                  ReduceMetrics(gather_predictions=gather_predictions, loss_reduction=loss_reduction,
@@ -89,4 +98,18 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         callbacks.append(DiLoCo(local_steps=local_steps, **all_reduce))
         return callbacks
     callbacks.append(AgreeOnStop() if ddp else AllReduceGradients(loss_reduction=loss_reduction, **all_reduce))
+    return callbacks
+
+
+def _fault_tolerant(lighthouse, flatten_images, ddp, local_steps, check_order, loss_reduction, options):
+    """The fault-tolerant set: each process a torchft replica (the mode lives in :mod:`torchbearer_dist.ft`)."""
+    for name, value in (('ddp', ddp), ('local_steps', local_steps)):
+        if value not in (None, False):
+            raise ValueError('{}={!r} does not combine with fault_tolerant yet: the fault-tolerant mode averages '
+                             'gradients at every step through torchft; pass one of them'.format(name, value))
+    from torchbearer_dist.ft.callback import FaultTolerantAllReduce  # torchft is an optional extra
+    callbacks = [SetSamplerEpoch(check_data=False, check_order=check_order)]
+    if flatten_images:
+        callbacks.append(FlattenImages())
+    callbacks.append(FaultTolerantAllReduce(lighthouse, loss_reduction=loss_reduction, **options))
     return callbacks

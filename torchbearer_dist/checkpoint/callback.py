@@ -12,6 +12,14 @@ from torchbearer_dist.checkpoint.files import _payload, _write_checkpoint
 from torchbearer_dist.runtime import interrupts
 from torchbearer_dist.sync import collectives
 
+#: State key: False on a replica of the fault-tolerant mode (:mod:`torchbearer_dist.ft`) while another live
+#: replica writes the checkpoints; absent (True) otherwise. Global rank 0 alone writes in any case.
+WRITER = torchbearer.state_key('torchbearer_dist_checkpoint_writer')
+
+
+def _writes(state):
+    return collectives.rank() == 0 and state.get(WRITER, True) is not False
+
 
 def _positive(name, value, kind=int):
     if value is None:
@@ -26,7 +34,9 @@ class Checkpoint(Callback):
     """Save a crash-safe checkpoint every ``every`` epochs, and optionally every few steps, on global rank 0 only.
 
     The file is replaced atomically, so killing the job at any moment leaves the previous
-    checkpoint loadable. It holds the callbacks' and learning-rate schedulers' states too, and every
+    checkpoint loadable (in the fault-tolerant mode, on one live replica: see
+    :class:`~torchbearer_dist.ft.FaultTolerantAllReduce`). It holds the callbacks' and learning-rate
+    schedulers' states too, and every
     rank's RNG states (torch, numpy, python; one gather per checkpoint). Resume with
     :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores the
     schedulers once ``run()`` has rebuilt them, before the first epoch, and at the same world size
@@ -206,7 +216,7 @@ class Checkpoint(Callback):
         _gather_for_checkpoint(state)
         rngs = _midepoch.gather_rng_states(self._epoch_rng)
         self._last_save = time.monotonic()
-        if collectives.rank() != 0:
+        if not _writes(state):
             return
         loader = state[torchbearer.GENERATOR]
         batch_sampler = getattr(loader, 'batch_sampler', None)
@@ -224,7 +234,7 @@ class Checkpoint(Callback):
             return
         _gather_for_checkpoint(state)  # between two DiLoCo meetings, every rank's own weights
         rngs = _midepoch.gather_rng_states(None)  # every rank: the RNGs the next epoch starts from
-        if collectives.rank() == 0:
+        if _writes(state):
             _write_checkpoint(self.path, _payload(state[torchbearer.MODEL], state[torchbearer.OPTIMIZER], history,
                                                   state[torchbearer.CALLBACK_LIST], rng=rngs), self.keep)
         self._last_save = time.monotonic()

@@ -1,0 +1,257 @@
+"""Training through lost machines: a Trial's steps driven through torchft's Manager (the fault-tolerant mode)."""
+import socket
+import weakref
+
+import torch
+import torchbearer
+from torchbearer import Callback
+
+from torchbearer_dist.callbacks import _held
+from torchbearer_dist.callbacks._batches import batch_size
+from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
+from torchbearer_dist.checkpoint import _midepoch
+from torchbearer_dist.checkpoint.callback import WRITER
+from torchbearer_dist.data import distributed_sampler
+from torchbearer_dist.ft import _heal
+from torchbearer_dist.ft.replica import Replica, lighthouse_address
+from torchbearer_dist.sync import collectives
+from torchbearer_dist.sync._autograd import queue_at_backward_end
+
+
+class FaultTolerantAllReduce(Callback):
+    """Average gradients over the live replicas through torchft, heal a (re)started replica from a healthy one.
+
+    Each process is a torchft replica group of one. At every step it joins the lighthouse's quorum of
+    live replicas, averages its gradients over them (before ``backward()`` returns, so every
+    ``on_backward`` callback sees the average), and steps every optimizer the Trial holds only if
+    torchft commits the step: a step during which a replica was lost is dropped on every survivor
+    (not retried), and they go on among themselves without restarting. A replica that starts while
+    others train (a replacement, a restarted machine) heals at the start of ``run()`` from a healthy
+    one: every model and optimizer the Trial holds, the callbacks' states, the history and the
+    position in the epoch, then trains the healer's next batch beside it. At the first step every
+    replica takes the first one's weights (torchft's ``init_sync``).
+
+    At each epoch end the epoch's figures are averaged over the replicas of the last step, each
+    weighted by its samples (training figures by training samples, ``val_`` figures by validation
+    samples); ``state[WRITER]`` is True on one live replica, where :class:`~torchbearer_dist.Checkpoint`
+    writes.
+
+    Example:
+
+        .. code-block:: python
+
+            # on each machine i of N; a lighthouse runs at ADDR:29510
+            sampler = DistributedSampler(train_set, num_replicas=N, rank=i, seed=0)
+            trial = Trial(model, optimizer, loss, metrics=['loss', 'acc'],
+                          callbacks=tbd.distributed_callbacks(fault_tolerant='ADDR:29510', replica_id=str(i)))
+
+    Args:
+        lighthouse (str): the lighthouse's address, ``HOST:PORT``; None or True reads ``$TORCHFT_LIGHTHOUSE``
+        replica_id (str): this replica's name, the same when it restarts (default: the host name)
+        min_replicas (int): steps wait, up to ``timeout``, for at least this many live replicas
+        timeout (float): seconds for a collective, a heal and a quorum; a lost replica stalls the others
+            about this long at most
+        host (str): the address other replicas reach this one at (default: its address on the route to
+            the lighthouse)
+        loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed
+
+    Raises:
+        ValueError: a bad option
+        RuntimeError: torchft is missing; the lighthouse does not answer (named); no quorum of
+            ``min_replicas`` within ``timeout``; this replica cannot heal (another model, another
+            package version), raised on this replica only; a process group of several processes
+
+    State Requirements:
+        - :attr:`torchbearer.state.MODEL`, :attr:`torchbearer.state.OPTIMIZER` and any other held module
+          or optimizer: averaged, gated and healed
+        - :attr:`torchbearer.state.HISTORY`, :attr:`torchbearer.state.CALLBACK_LIST`: healed
+
+    .. warning:: A synchronization point at every step, with the lighthouse and the live replicas.
+    """
+
+    def __init__(self, lighthouse=None, replica_id=None, min_replicas=1, timeout=60.0, host=None,
+                 loss_reduction='auto'):
+        super().__init__()
+        self.lighthouse = lighthouse_address(lighthouse)
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+            raise ValueError('min_replicas should be an integer >= 1, but given {!r}'.format(min_replicas))
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError('timeout should be a positive number of seconds, but given {!r}'.format(timeout))
+        if replica_id is not None and (not isinstance(replica_id, str) or not replica_id or ':' in replica_id):
+            raise ValueError('replica_id should be a non-empty string without ":", but given {!r}'.format(replica_id))
+        check_loss_reduction(loss_reduction)
+        self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
+        self.host, self.loss_reduction = host, loss_reduction
+        self.replica = None
+        self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
+        self._hooks = []
+        self._reset()
+
+    def _reset(self):
+        self._state = self._pending = None
+        self._open = self._in_step = self._averaged = self._queued = False
+        self._commit = None
+        self._params, self._gated = [], []
+        self._samples = {'train': 0, 'val': 0}
+
+    # --- the run: a replica per run(), its quorum at every step ----------------------------------------
+
+    def on_start(self, state):
+        if state.get(torchbearer.GENERATOR) is not None:
+            return  # evaluate() and predict() set their loader before on_start; run() does not: no quorum there
+        if collectives.world_size() > 1:
+            raise RuntimeError('the fault-tolerant mode runs one process per replica group, but this process is in a '
+                               'process group of {}; start each replica alone (no torchrun/launch process '
+                               'group)'.format(collectives.world_size()))
+        self._release()
+        self._reset()
+        self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
+        self._summed = loss_is_summed(state, self.loss_reduction)
+        replica_id = self.replica_id or socket.gethostname().replace(':', '_')
+        self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
+                               self.timeout, self.host)
+        weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
+        self._gate(state)
+        self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
+        self._open = True  # this quorum serves the first step
+
+    def _start_quorum(self):
+        self.replica.start_quorum()
+        self._state()[WRITER] = self.replica.manager.participating_rank() == 0
+
+    def on_start_training(self, state):
+        if self.replica is None:
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
+            _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
+        self._samples = {'train': 0, 'val': 0}
+        self._params = [p for _, p in _held.trainable(state)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    def on_sample(self, state):
+        if self.replica is None:
+            return
+        self._commit, self._averaged, self._queued, self._in_step = None, False, False, True
+        if self._open:
+            self._open = False
+        else:
+            self._start_quorum()
+        self._samples['train'] += batch_size(state) or 0
+
+    def on_sample_validation(self, state):
+        self._samples['val'] += batch_size(state) or 0
+
+    def _on_grad(self, param):
+        if self._in_step and not self._averaged and not self._queued:
+            self._queued = queue_at_backward_end(self._average)  # runs when this backward pass ends
+
+    def on_backward(self, state):
+        if self.replica is not None and not self._averaged:
+            self._average()
+
+    def on_step_training(self, state):
+        self._in_step = False
+
+    def _average(self):
+        """One all-reduce per dtype of every trainable gradient over the quorum (a missing one counts as zeros)."""
+        self._averaged = True
+        manager = self.replica.manager
+        op = torch.distributed.ReduceOp.SUM if self._summed else torch.distributed.ReduceOp.AVG
+        by_dtype = {}
+        for p in self._params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            manager.allreduce(flat, reduce_op=op).wait()
+            for p, average in zip(params, torch.split(flat, [g.numel() for g in grads])):
+                if p.grad is None:
+                    p.grad = average.view_as(p)
+                else:
+                    p.grad.copy_(average.view_as(p))
+
+    def _gate(self, state):
+        """Every optimizer of the Trial steps only if torchft commits the step (decided once per step).
+
+        torchbearer calls ``state[OPTIMIZER].step(closure)`` itself and has no hook between the closure and
+        the update, so the step of each held optimizer is shadowed for the run (an instance attribute,
+        removed at its end, torchft's own ``OptimizerWrapper`` in place).
+        """
+        for optimizer in _heal.optimizers(state):
+            original = optimizer.step
+
+            def step(closure=None, _original=original):
+                loss = closure() if closure is not None else None
+                if self._commit is None:
+                    if not self._averaged:
+                        self._average()
+                    self._commit = self.replica.manager.should_commit()
+                if self._commit:
+                    _original()
+                return loss
+            optimizer.step = step
+            self._gated.append(optimizer)
+
+    def on_end_training(self, state):
+        self._reduce_metrics(state, self._samples['train'])
+
+    def on_end_validation(self, state):
+        self._reduce_metrics(state, self._samples['val'])
+
+    def _reduce_metrics(self, state, weight):
+        """The pass's figures, averaged over the last step's replicas weighted by their samples (before any
+        ``on_end_epoch``); where a replica was lost since that step they stay this replica's own."""
+        if self.replica is None:
+            return
+        metrics = state[torchbearer.METRICS]
+        names = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
+                       not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1))
+        payload = torch.tensor([float(metrics[n]) * weight for n in names] + [float(weight)], dtype=torch.float64)
+        self.replica.manager.allreduce(payload, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        total = payload.tolist()
+        if self.replica.manager.errored() is None and total[-1] > 0:
+            for i, name in enumerate(names):
+                metrics[name] = total[i] / total[-1]
+
+    def _save(self):
+        state = self._state()
+        loader = state.get(torchbearer.GENERATOR)
+        sampler = distributed_sampler(loader) if loader is not None else None
+        training = self._in_step  # at a step's quorum: about to train batch state[BATCH]; else at the run's start
+        position = {'epoch': state[torchbearer.EPOCH] if training else len(state[torchbearer.HISTORY]),
+                    'batches': state[torchbearer.BATCH] if training else 0,
+                    'batch_size': getattr(getattr(loader, 'batch_sampler', None), 'batch_size', None),
+                    'world_size': getattr(sampler, 'num_replicas', 1)}
+        return _heal.capture(state, position)
+
+    def _load(self, payload):
+        if self.replica.manager.current_step() > 0:  # not the first step's init_sync: a heal
+            self.heals += 1
+        position = _heal.restore(self._state(), payload, 'a healthy replica')
+        if not self._in_step:
+            self._pending = position
+
+    # --- the end of a run, however it ends ------------------------------------------------------------------
+
+    def on_end(self, state):
+        if self._state is not None and self._state() is state:
+            self._release()
+
+    @staticmethod
+    def _expire(ref, state_ref):
+        self = ref()  # torchbearer skips on_end when run() raises: the replica goes when that run's state does
+        if self is not None and self._state is state_ref:
+            self._release()
+
+    def _release(self):
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for optimizer in self._gated:
+            optimizer.__dict__.pop('step', None)
+        self._gated = []
+        replica, self.replica = self.replica, None
+        if replica is not None:
+            replica.shutdown()
+        self._state = None

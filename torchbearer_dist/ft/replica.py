@@ -1,0 +1,139 @@
+"""This process as one torchft replica group: its store, its reconfigurable gloo group and its Manager.
+
+Everything here is torchft's public API (``torchft.Manager``, ``torchft.ProcessGroupGloo``,
+``torchft.coordination.LighthouseClient``); the callback that drives it through a Trial's steps is
+:class:`~torchbearer_dist.ft.callback.FaultTolerant`.
+"""
+import logging
+import os
+import socket
+from datetime import timedelta
+from urllib.parse import urlparse
+
+from torch.distributed import TCPStore
+
+from torchbearer_dist.runtime.network import route_source
+
+#: How a user installs torchft, in every error that finds it missing.
+INSTALL = 'pip install "torchbearer_dist[ft]"'
+
+
+def require_torchft():
+    """Import torchft, or raise a one-line error saying how to install it.
+
+    Returns:
+        module: the ``torchft`` package
+
+    Raises:
+        RuntimeError: torchft is not installed
+    """
+    try:
+        import torchft
+        import torchft.coordination  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError('the fault-tolerant mode needs torchft, which is not importable ({}); install it with '
+                           '{}'.format(e, INSTALL)) from None
+    return torchft
+
+
+def lighthouse_address(lighthouse):
+    """``lighthouse`` as a URL (``http://host:port``), from ``host:port``, a URL, or ``$TORCHFT_LIGHTHOUSE``.
+
+    Raises:
+        ValueError: no address given and ``TORCHFT_LIGHTHOUSE`` unset, or an address without a port
+    """
+    if lighthouse in (None, True):
+        lighthouse = os.environ.get('TORCHFT_LIGHTHOUSE')
+        if not lighthouse:
+            raise ValueError('fault_tolerant=True needs the lighthouse address: pass fault_tolerant="HOST:PORT" or '
+                             'set TORCHFT_LIGHTHOUSE (start one with python -m torchbearer_dist.ft.lighthouse)')
+    if not isinstance(lighthouse, str):
+        raise ValueError('the lighthouse should be an address "HOST:PORT", but given {!r}'.format(lighthouse))
+    url = lighthouse if '://' in lighthouse else 'http://' + lighthouse
+    try:
+        port = urlparse(url).port
+    except ValueError:
+        port = None
+    if port is None or not urlparse(url).hostname:
+        raise ValueError('the lighthouse should be an address "HOST:PORT", but given {!r}'.format(lighthouse))
+    return url
+
+
+def check_lighthouse(url, timeout):
+    """Raise a one-line RuntimeError unless the lighthouse at ``url`` answers within ``timeout`` seconds."""
+    from torchft.coordination import LighthouseClient
+    try:
+        LighthouseClient(url, connect_timeout=timedelta(seconds=timeout))  # connects, or raises
+    except Exception:  # torchft raises RuntimeError with a Rust transport chain of several lines
+        raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it (python -m '
+                           'torchbearer_dist.ft.lighthouse --min-replicas N) or pass its address'.format(
+                               url, timeout)) from None
+
+
+class Replica:
+    """This process as a replica group of one: a TCPStore, a torchft gloo group and a ``torchft.Manager``.
+
+    The Manager averages through the group over the replicas the lighthouse puts in each step's
+    quorum, and serves this replica's state (``state_dict()``) to replicas that heal from it, or
+    loads a healthy one's (``load_state_dict``) when this one is behind.
+
+    Example:
+
+        .. code-block:: python
+
+            replica = Replica('127.0.0.1:29510', 'replica-0', load_state_dict, state_dict)
+            replica.manager.start_quorum()
+
+    Args:
+        lighthouse (str): the lighthouse's URL
+        replica_id (str): this replica's name, the same when it restarts
+        load_state_dict (callable): loads what ``state_dict`` returned, when this replica heals
+        state_dict (callable): this replica's state, sent to a replica that heals from it
+        min_replicas (int): fewer live replicas than this and the others wait (up to ``timeout``)
+        timeout (float): seconds for a collective, a heal, and a quorum
+        host (str): the address other replicas reach this one at (default: this machine's address on the
+            route to the lighthouse)
+
+    Raises:
+        RuntimeError: torchft is missing, or the lighthouse does not answer within ``timeout``
+    """
+
+    def __init__(self, lighthouse, replica_id, load_state_dict, state_dict, min_replicas=1, timeout=60.0, host=None):
+        torchft = require_torchft()
+        self.lighthouse, self.replica_id = lighthouse, replica_id
+        check_lighthouse(lighthouse, timeout)
+        parsed = urlparse(lighthouse)
+        self.host = host or route_source(parsed.hostname, parsed.port) or socket.gethostname()
+        logging.getLogger('torchft').setLevel(logging.WARNING)
+        # The replica group's own store: one process per group, so this process is its master.
+        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout))
+        limit = timedelta(seconds=timeout)
+        self.group = torchft.ProcessGroupGloo(timeout=limit)
+        self.manager = torchft.Manager(
+            pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
+            use_async_quorum=False, timeout=limit, quorum_timeout=limit, connect_timeout=limit, rank=0,
+            world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=replica_id, hostname=self.host)
+        self.timeout = timeout
+
+    def start_quorum(self):
+        """Join this step's quorum (healing here if behind); a lost lighthouse is named in one line.
+
+        Raises:
+            RuntimeError: no quorum within the timeout and the lighthouse no longer answers
+
+        .. warning:: A synchronization point with the lighthouse and the other live replicas.
+        """
+        try:
+            self.manager.start_quorum()
+        except Exception:
+            check_lighthouse(self.lighthouse, min(self.timeout, 5.0))
+            raise
+
+    def shutdown(self):
+        """Stop the Manager's server, its checkpoint server and the group; idempotent."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+            self.group.shutdown()
