@@ -18,6 +18,14 @@ rank at the next step, with a checkpoint, and exits with status 75.
 With --local-steps H (for links slower than the compute), each rank trains
 H steps on its own and the ranks meet once per H steps (DiLoCo); the recipe
 (optimizer, learning rate, batch) stays the same.
+
+With --fault-tolerant (pip install "torchbearer_dist[ft]"), each machine is
+a replica that trains on when others are lost and heals live when it comes
+back (docs/fault_tolerance.rst):
+
+    python -m torchbearer_dist.ft --min-replicas 1   # one machine
+    python examples/distributed_data_parallel.py --fault-tolerant \
+        --lighthouse ADDR:29510 --replica i --replicas N       # machine i
 """
 import os
 
@@ -90,20 +98,29 @@ def worker(args):
     """Train on this rank inside its process group; return global metrics."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    env = tbd.current_env()
-    train_set, test_set = load_data(args.data, args.download, env.local_rank)
-    train_loader = DataLoader(
-        train_set, batch_size=args.batch_size,
-        sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
-    test_loader = DataLoader(
-        test_set, batch_size=500,
-        sampler=DistributedSampler(test_set, shuffle=False))
+    env = tbd.current_env()  # None in a replica of the fault-tolerant mode
+    train_set, test_set = load_data(args.data, args.download,
+                                    env.local_rank if env else 0)
+    if args.fault_tolerant:  # replica --replica of --replicas: no group
+        train_loader, test_loader = replica_loaders(args, train_set, test_set)
+    else:
+        train_loader = DataLoader(
+            train_set, batch_size=args.batch_size,
+            sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
+        test_loader = DataLoader(
+            test_set, batch_size=500,
+            sampler=DistributedSampler(test_set, shuffle=False))
 
-    ddp = env.backend == 'nccl'
+    ddp = env is not None and env.backend == 'nccl'
     model = tbd.wrap_ddp(Net()) if ddp else Net()
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     callbacks = [tbd.RankZeroOnly(PrintMetrics()),
                  *sync_callbacks(ddp, args.local_steps)]
+    if args.fault_tolerant:  # trains on through lost replicas (torchft)
+        callbacks = [PrintMetrics(), *tbd.distributed_callbacks(
+            flatten_images=True, fault_tolerant=args.lighthouse,
+            replica_id='replica{}'.format(args.replica),
+            min_replicas=args.min_replicas)]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
@@ -118,10 +135,20 @@ def worker(args):
         trial.to(model.device)
     history = trial.run(epochs=args.epochs, verbose=0)
 
-    if tbd.is_main_process():
+    if tbd.is_main_process() and (not args.fault_tolerant or callbacks[-1].writer):
         torch.save((model.module if ddp else model).state_dict(), args.save)
         print('saved the model to {}'.format(args.save), flush=True)
     return {name: float(value) for name, value in history[-1].items()}
+
+
+def replica_loaders(args, train_set, test_set):
+    """The loaders of replica --replica: shard i of --replicas, whoever is live."""
+    train = DistributedSampler(train_set, num_replicas=args.replicas,
+                               rank=args.replica, shuffle=True, seed=args.seed)
+    test = DistributedSampler(test_set, num_replicas=args.replicas,
+                              rank=args.replica, shuffle=False)
+    return (DataLoader(train_set, batch_size=args.batch_size, sampler=train),
+            DataLoader(test_set, batch_size=500, sampler=test))
 
 
 #: Launchers' counts of the ranks they started on this machine.
@@ -143,6 +170,9 @@ def run(args):
     group = dict(host=args.host, port=args.port, backend=args.backend,
                  timeout=args.timeout, init_method=args.init_method)
     meet = args.rendezvous_timeout
+    if args.fault_tolerant:  # a replica of its own: no process group
+        args.threads = args.threads or default_threads(1)
+        return worker(args)
     if args.rank is not None:  # one rank of a job, one process per machine
         args.threads = args.threads or default_threads(1)
         with tbd.process_group(rank=args.rank, world_size=args.world_size,
@@ -213,6 +243,13 @@ def build_parser():
     add('--local-steps', type=int,
         help='train H steps locally between meetings (DiLoCo, for slow '
         'links; default: average the gradients at every step)')
+    add('--fault-tolerant', action='store_true',
+        help='train on through lost machines (torchft; needs --lighthouse)')
+    add('--lighthouse', type=str, help='HOST:PORT of the lighthouse')
+    add('--replica', type=int, default=0, help='this replica, 0..N-1')
+    add('--replicas', type=int, default=1, help='N: data shards, one a replica')
+    add('--min-replicas', type=int, default=1,
+        help='fewest live replicas that train (the others wait)')
     add('--no-resume', action='store_true',
         help='start afresh even if --checkpoint-dir holds a checkpoint')
     return parser
@@ -235,6 +272,12 @@ def parse_args(argv=None):
                      'which averages gradients at every step with '
                      'DistributedDataParallel; drop one'.format(
                          args.local_steps))
+    if args.fault_tolerant and args.lighthouse is None:
+        parser.error('--fault-tolerant needs --lighthouse HOST:PORT (start one '
+                     'with python -m torchbearer_dist.ft)')
+    if args.fault_tolerant and not 0 <= args.replica < args.replicas:
+        parser.error('--replica should be between 0 and {}, but given '
+                     '{}'.format(args.replicas - 1, args.replica))
     if args.rank is not None and args.host is None and args.init_method is None:
         parser.error('--rank {} needs --host ADDR, the address of the machine '
                      'that runs rank 0'.format(args.rank))

@@ -127,7 +127,7 @@ def test_an_unreachable_lighthouse_is_named_in_one_line_within_its_bound(replica
     elapsed = time.monotonic() - started
     lines = replicas.err(i).strip().splitlines()
     assert lines[-1] == ('error: the lighthouse at http://127.0.0.1:{} did not answer within 3 s; start it (python -m '
-                         'torchbearer_dist.ft.lighthouse --min-replicas N) or pass its address'.format(port)), lines
+                         'torchbearer_dist.ft --min-replicas N) or pass its address'.format(port)), lines
     assert elapsed < STARTUP + 3 + LOAD_SLACK
 
 

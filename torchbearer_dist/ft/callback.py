@@ -83,6 +83,7 @@ class FaultTolerantAllReduce(Callback):
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction = host, loss_reduction
         self.replica = None
+        self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
         self._hooks = []
         self._reset()
@@ -117,7 +118,7 @@ class FaultTolerantAllReduce(Callback):
 
     def _start_quorum(self):
         self.replica.start_quorum()
-        self._state()[WRITER] = self.replica.manager.participating_rank() == 0
+        self.writer = self._state()[WRITER] = self.replica.manager.participating_rank() == 0
 
     def on_start_training(self, state):
         if self.replica is None:

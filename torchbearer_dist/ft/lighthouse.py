@@ -2,7 +2,7 @@
 
 .. code-block:: text
 
-    python -m torchbearer_dist.ft.lighthouse --min-replicas 1 --bind 0.0.0.0:29510
+    python -m torchbearer_dist.ft --min-replicas 1 --bind 0.0.0.0:29510
     torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510     # torchft's own command, the same server
 """
 import argparse
@@ -72,7 +72,7 @@ class Lighthouse:
 
 
 def main(argv=None):
-    """``python -m torchbearer_dist.ft.lighthouse``: serve until SIGINT or SIGTERM."""
+    """``python -m torchbearer_dist.ft``: serve until SIGINT or SIGTERM."""
     parser = argparse.ArgumentParser(description='Run the lighthouse of a fault-tolerant torchbearer_dist job.')
     parser.add_argument('--bind', type=str, default=DEFAULT_BIND, help='HOST:PORT to listen on')
     parser.add_argument('--min-replicas', type=int, default=1, help='fewest live replicas that train')

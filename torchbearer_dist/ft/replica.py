@@ -46,7 +46,7 @@ def lighthouse_address(lighthouse):
         lighthouse = os.environ.get('TORCHFT_LIGHTHOUSE')
         if not lighthouse:
             raise ValueError('fault_tolerant=True needs the lighthouse address: pass fault_tolerant="HOST:PORT" or '
-                             'set TORCHFT_LIGHTHOUSE (start one with python -m torchbearer_dist.ft.lighthouse)')
+                             'set TORCHFT_LIGHTHOUSE (start one with python -m torchbearer_dist.ft)')
     if not isinstance(lighthouse, str):
         raise ValueError('the lighthouse should be an address "HOST:PORT", but given {!r}'.format(lighthouse))
     url = lighthouse if '://' in lighthouse else 'http://' + lighthouse
@@ -66,7 +66,7 @@ def check_lighthouse(url, timeout):
         LighthouseClient(url, connect_timeout=timedelta(seconds=timeout))  # connects, or raises
     except Exception:  # torchft raises RuntimeError with a Rust transport chain of several lines
         raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it (python -m '
-                           'torchbearer_dist.ft.lighthouse --min-replicas N) or pass its address'.format(
+                           'torchbearer_dist.ft --min-replicas N) or pass its address'.format(
                                url, timeout)) from None
 
 
