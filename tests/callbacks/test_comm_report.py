@@ -158,7 +158,7 @@ def test_rank_zero_alone_prints_one_line_per_epoch_with_the_history_figures(rank
     for (_, _, text), entry in zip(lines, rank0['history']):
         assert text.startswith('each rank sent {} ({} per step), waited {:.3f} s of {:.3f} s training ('.format(
             _size(entry[COMM_BYTES]), _size(entry[COMM_BYTES] / BATCHES), entry[COMM_WAIT], entry[TRAIN_TIME])), text
-        assert text.endswith(' %) on communication backward did not hide, link {:.1f} Mbit/s; slowest rank {}, '
+        assert text.endswith(' %) on communication compute did not hide, link {:.1f} Mbit/s; slowest rank {}, '
                              '{:.3f} s of compute behind rank {}'.format(
                                  entry[COMM_RATE], entry[SLOWEST_RANK], entry[SLOWEST_LAG],
                                  1 - entry[SLOWEST_RANK])), text
@@ -205,7 +205,7 @@ def test_the_figures_are_a_function_of_every_rank_row():
                       COMM_WAIT: 0.2, COMM_RATE: pytest.approx(20.0)}
     assert CommunicationReport.line(report, rows, 0, 3) == (
         'communication, epoch 1/3: each rank sent 1.00 MB (100.00 kB per step), waited 0.200 s of 9.000 s training '
-        '(2.2 %) on communication backward did not hide, link 20.0 Mbit/s; slowest rank 1, 0.500 s of compute behind '
+        '(2.2 %) on communication compute did not hide, link 20.0 Mbit/s; slowest rank 1, 0.500 s of compute behind '
         'rank 0')
     # a rank whose traffic nobody counted (DistributedDataParallel): time and the slowest rank only
     uncounted = [[2.0, 0.0, 0.0, 0.0, 0.0, 4.0], [2.0, 0.0, 0.0, 0.0, 0.0, 4.0]]

@@ -230,7 +230,7 @@ class CommunicationReport(Callback):
         if COMM_BYTES in report:
             sent = report[COMM_BYTES]
             comm = ('each rank sent {} ({} per step), waited {:.3f} s of {:.3f} s training ({:.1f} %) on communication '
-                    'backward did not hide, link {:.1f} Mbit/s').format(
+                    'compute did not hide, link {:.1f} Mbit/s').format(
                 _size(sent), _size(sent / steps if steps else 0), report[COMM_WAIT], train,
                 100 * report[COMM_WAIT] / train if train > 0 else 0.0, report[COMM_RATE])
         else:
