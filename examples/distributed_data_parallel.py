@@ -32,6 +32,8 @@ import os
 # torch's C++ log repeats a network error with a C++ stack; the example
 # reports each error in one line. TORCH_CPP_LOG_LEVEL=INFO shows it again.
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'FATAL')
+# torchft (--fault-tolerant) logs every step's quorum; RUST_LOG=info shows it.
+os.environ.setdefault('RUST_LOG', 'warn')
 
 import argparse
 import sys

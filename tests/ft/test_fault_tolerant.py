@@ -35,7 +35,8 @@ class Replicas:
         with open(out, 'w') as stdout, open(err, 'w') as stderr:
             process = subprocess.Popen(python(os.path.join(HERE, '_replica.py'), '--lighthouse', self.lighthouse,
                                               '--replica', str(replica), *args),
-                                       stdout=stdout, stderr=stderr, start_new_session=True, env=child_env())
+                                       stdout=stdout, stderr=stderr, start_new_session=True,
+                                       env=child_env(RUST_LOG='warn'))
         self.started.append((process, out, err))
         return len(self.started) - 1
 
@@ -145,3 +146,39 @@ def test_a_replica_that_cannot_heal_fails_alone_in_one_line(replicas):
     replicas.wait_for(lambda: replicas.done(healthy), STARTUP + 120)
     assert replicas.process(healthy).wait(30) == 0
     assert replicas.steps(healthy) == 180
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_lighthouse_stops_every_replica_in_one_line_within_its_bound(tmp_path):
+    server = Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=4.0, heartbeat_timeout=2.0)
+    replicas = Replicas(tmp_path, server.address)
+    try:
+        started = [replicas.start(r, '--replicas', '2', '--epochs', '50', '--timeout', '3') for r in range(2)]
+        replicas.wait_for(lambda: min(replicas.steps(i) for i in started) >= 10, STARTUP + 60)
+        server.shutdown()
+        lost = time.monotonic()
+        # Bound: the quorum's timeout (3 s), the probe of the lighthouse (3 s), and the load's slack.
+        for i in started:
+            assert replicas.process(i).wait(3 + 3 + LOAD_SLACK) == 1, replicas.describe()
+        assert time.monotonic() - lost < 3 + 3 + LOAD_SLACK
+        for i in started:
+            assert replicas.err(i).strip().splitlines()[-1] == (
+                'error: the lighthouse at {} did not answer within 3 s; start it (python -m torchbearer_dist.ft '
+                '--min-replicas N) or pass its address'.format(server.address)), replicas.describe()
+    finally:
+        server.shutdown()
+        replicas.kill_all()
+
+
+def test_too_few_replicas_wait_then_say_why(tmp_path):
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=1.0, heartbeat_timeout=2.0) as server:
+        replicas = Replicas(tmp_path, server.address)
+        try:
+            i = replicas.start(0, '--timeout', '3')
+            assert replicas.process(i).wait(STARTUP + 3 + LOAD_SLACK) == 1, replicas.describe()
+            assert replicas.err(i).strip().splitlines()[-1].startswith(
+                'error: no quorum within 3 s at the lighthouse {}: fewer live replicas than the minimum (its '
+                '--min-replicas, or min_replicas=1 here); start more replicas or lower the minimum ('.format(
+                    server.address)), replicas.describe()
+        finally:
+            replicas.kill_all()

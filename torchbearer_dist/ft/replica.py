@@ -22,7 +22,7 @@ def require_torchft():
     """Import torchft, or raise a one-line error saying how to install it.
 
     Returns:
-        module: the ``torchft`` package
+        the ``torchft`` package (a module)
 
     Raises:
         RuntimeError: torchft is not installed
@@ -115,21 +115,27 @@ class Replica:
             use_async_quorum=False, timeout=limit, quorum_timeout=limit, connect_timeout=limit, rank=0,
             world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
             replica_id=replica_id, hostname=self.host)
-        self.timeout = timeout
+        self.timeout, self.min_replicas = timeout, min_replicas
 
     def start_quorum(self):
-        """Join this step's quorum (healing here if behind); a lost lighthouse is named in one line.
+        """Join this step's quorum (healing here if behind); a lost lighthouse or too few replicas in one line.
 
         Raises:
-            RuntimeError: no quorum within the timeout and the lighthouse no longer answers
+            RuntimeError: no quorum within the timeout: the lighthouse no longer answers (named), or fewer
+                replicas than the minimum asked for one
 
         .. warning:: A synchronization point with the lighthouse and the other live replicas.
         """
         try:
             self.manager.start_quorum()
-        except Exception:
+        except Exception as e:
+            if isinstance(e, RuntimeError) and str(e).startswith('this replica cannot heal'):
+                raise  # the heal's own one-line error (_heal.restore), raised on this replica only
             check_lighthouse(self.lighthouse, min(self.timeout, 5.0))
-            raise
+            raise RuntimeError('no quorum within {:g} s at the lighthouse {}: fewer live replicas than the minimum '
+                               '(its --min-replicas, or min_replicas={} here); start more replicas or lower the '
+                               'minimum ({})'.format(self.timeout, self.lighthouse, self.min_replicas,
+                                                     (str(e).splitlines() or [type(e).__name__])[0][:120])) from None
 
     def shutdown(self):
         """Stop the Manager's server, its checkpoint server and the group; idempotent."""
