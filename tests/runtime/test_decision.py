@@ -169,3 +169,29 @@ def test_launch_names_an_own_error_then_a_silent_death_then_a_peer_failure():
     assert first_failure(['ok', None, 'ok'], [0, None, 0], 75) == 1
     assert first_failure([None, 'ok', None], [75, 0, 75], 75) is None  # every rank left was pre-empted
     assert first_failure([None, 'ok', None], [75, 0, None], 75) == 0
+
+
+def test_a_connection_closed_in_a_job_of_three_names_the_rank_whose_beat_stopped_on_rank_0():
+    """gloo's 'Connection closed by peer' names no rank; rank 0 reads every rank's beat: the one unchanged for
+    longer than a live rank's ever is, Timing.named after the failure, is the rank that closed it."""
+    assert (Timing(60.0).named, Timing(2.0).named) == (4.0, 2.5)  # three beats and a second
+    facts = _facts(RUN, rank=0, world_size=3, gathered=True, watching=True, failed_at=100.0, now=101.0,
+                   silences={1: 2.0, 2: 0.5})
+    assert decide(facts, TIMING).until == 100.0 + TIMING.named
+    later = replace(facts, now=100.0 + TIMING.named)
+    named = decide(replace(later, silences={1: TIMING.guess + 0.1, 2: TIMING.guess - 0.1}), TIMING)
+    assert named == Decision(_diagnosis.closed(1), publish=True, readers=True, skip=1, stop_peers=True)
+    assert decide(replace(later, silences={1: 5.0, 2: 5.0}), TIMING).cause.rank == -1  # two stopped: no name
+    assert decide(replace(later, silences={1: 1.0, 2: 1.0}), TIMING).cause.rank == -1
+    assert decide(replace(facts, silences={}), TIMING).until is None  # no beats read: nothing to wait for
+
+
+def test_a_closed_connection_that_names_no_rank_is_not_published_by_a_rank_other_than_0():
+    """Rank 0 names the rank; the others wait for its cause, which their heartbeat reads, and publish none."""
+    facts = _facts(RUN, rank=2, world_size=3, gathered=True, watching=True, failed_at=100.0, now=101.0,
+                   silences={0: 0.5})
+    assert decide(facts, TIMING).until == 100.0 + TIMING.named + TIMING.guess
+    late = decide(replace(facts, now=100.0 + TIMING.named + TIMING.guess), TIMING)
+    assert late.cause.rank == -1 and not late.publish and late.stop_peers
+    assert decide(replace(facts, heartbeat=_diagnosis.closed(1)), TIMING).cause == _diagnosis.closed(1)
+    assert decide(replace(facts, watching=False), TIMING).until is None

@@ -9,7 +9,7 @@ while a peer fell silent (``LEAVE``); :func:`first_failure` is the same question
 the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery is
 :class:`~torchbearer_dist.runtime._timing.Timing`'s, derived from the user's two timeouts.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchbearer_dist.runtime import _diagnosis as causes
 from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
@@ -51,6 +51,7 @@ class Facts:
         frozen (Cause): this rank's own pause longer than the limit, just ended
         store_answers (bool): the heartbeat's last store round succeeded
         watching (bool): the heartbeat runs, so it may still name the rank
+        silences (dict): ``{rank: seconds}`` each watched rank's beat has been seen unchanged, now
         timed_out (bool): the collective timed out, or a watched peer was silent half the limit
         gathered (bool): the store was asked (the facts below), as a :class:`Decision`'s ``read`` said
         master (str): ``'ok'``, ``'refused'`` or ``'silent'``: the master's port, probed
@@ -68,6 +69,7 @@ class Facts:
     frozen: object = None
     store_answers: bool = True
     watching: bool = False
+    silences: dict = field(default_factory=dict)
     timed_out: bool = False
     gathered: bool = False
     master: str = 'ok'
@@ -138,18 +140,33 @@ def decide(facts, timing):
     if cause is None:
         if f.error == COLLECTIVE and not f.gathered:
             return Decision(read=timing.read_wait(f.timed_out), deaths=not f.timed_out)
-        cause, own = _explain(f)
-        if f.phase == JOIN and causes.is_guess(cause) and f.watching and f.now < f.failed_at + timing.guess:
-            return Decision(until=f.failed_at + timing.guess)
+        cause, own = _explain(f, timing)
+        wait = _guess_wait(f, cause, timing)
+        if f.now < f.failed_at + wait:
+            return Decision(until=f.failed_at + wait)
     if f.phase == JOIN:  # only rank 0 publishes, through its heartbeat's connection, and keeps the store up
         published = not own and rank == 0 and f.watching
         return Decision(cause, own=own, publish=published, readers=published, skip=cause.rank)
-    # a cause naming rank 0 is not published by the others: the store lives in rank 0's process
-    published = rank == 0 or cause.rank != 0 or cause.kind == causes.LOCAL
+    # a cause naming rank 0 is not published by the others: the store lives in rank 0's process; one naming
+    # no rank neither: rank 0, which reads every rank's beat, may name the rank (see _explain)
+    published = rank == 0 or cause.rank > 0 or cause.kind == causes.LOCAL
     return Decision(cause, own=own, publish=published, readers=rank == 0, skip=cause.rank, stop_peers=True)
 
 
-def _explain(f):
+def _guess_wait(f, cause, timing):
+    """Seconds after the failure that a guessed ``cause`` waits for the heartbeat (0: none): at the join, for its
+    verdict; one naming no rank, on rank 0 until the rank whose beat stopped shows (``Timing.named``), on the
+    others until rank 0's cause, published then, is read by their heartbeat (two beats and a second later)."""
+    if not (causes.is_guess(cause) and f.watching):
+        return 0.0
+    if cause.rank == -1 and f.env.rank != 0:
+        return timing.named + timing.guess
+    if cause.rank == -1 and f.silences:
+        return timing.named
+    return timing.guess if f.phase == JOIN else 0.0
+
+
+def _explain(f, timing):
     """``(cause, own)`` for an error no heartbeat explained: what the store, the probe and the error say."""
     env = f.env
     if f.error != COLLECTIVE:
@@ -164,7 +181,8 @@ def _explain(f):
     if f.dead and not f.timed_out and not f.store_failed:
         return causes.died(list(f.dead)), False
     others = [r for r in range(env.world_size) if r != env.rank]
-    who = others[0] if len(others) == 1 else 'a peer rank'
+    stopped = [r for r, seconds in sorted(f.silences.items()) if seconds > timing.guess]  # no live rank's beat
+    who = others[0] if len(others) == 1 else stopped[0] if len(stopped) == 1 else 'a peer rank'
     if f.timed_out:
         return causes.silent(env, who, env.timeout.total_seconds()), False
     return causes.closed(who), False

@@ -116,14 +116,13 @@ class LiveGroup:
         own = _diagnosis.own_cause(env.rank, error) if kind != COLLECTIVE else None
         # a peer that gave up on this rank while it did not run, seen before its watch thread runs again
         frozen = watchdog.frozen_cause() if watchdog and phase == RUN and kind == COLLECTIVE else None
-        silence = watchdog.silence() if watchdog is not None else None
-        if phase == RUN:
-            self.stop_watchdog()
-        facts = Facts(env, phase, kind, own, getattr(error, 'rank', None), frozen=frozen, watching=self.watchdog
+        silence = max(watchdog.silences().values(), default=None) if watchdog is not None else None
+        facts = Facts(env, phase, kind, own, getattr(error, 'rank', None), frozen=frozen, watching=watchdog
                       is not None, timed_out=_diagnosis._is_timeout(error, silence, timing.limit),
                       failed_at=time.monotonic())
-        while True:
-            facts = replace(facts, heartbeat=self.cause, now=time.monotonic())
+        while True:  # the heartbeat runs meanwhile: its verdict, and which peer's beat stopped, are facts too
+            facts = replace(facts, heartbeat=self.cause, now=time.monotonic(),
+                            silences=watchdog.silences() if watchdog is not None else {})
             decision = decide(facts, timing)
             if decision.read is not None:
                 facts = replace(facts, gathered=True, **self._gather(decision))
@@ -131,6 +130,8 @@ class LiveGroup:
                 time.sleep(0.05)
             else:
                 break
+        if phase == RUN:
+            self.stop_watchdog()
         # at the join, the main thread's store connections may have been shut to wake gloo: the heartbeat's serves
         store = self.watchdog.store if phase != RUN and kind == COLLECTIVE and self.watchdog else self.store
         if decision.publish:

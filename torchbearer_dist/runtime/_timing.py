@@ -28,7 +28,10 @@ class Timing:
         heartbeat_call: the heartbeat's store calls: half the limit, 5 s at most, so that a call blocked on
             a silent master fails in time for the next round
         guess: at the join, the heartbeat may still name the rank when gloo's words were only a guess:
-            two beats and a second
+            two beats and a second; a live peer's beat is never seen unchanged for longer
+        named: a connection closed in a job of three or more ranks names none: rank 0, which reads every
+            rank's beat, names the one whose beat stopped; it was last seen at most a beat before the failure,
+            so this long after the failure it has been unchanged for longer than ``guess``, as no live rank's is
         gloo_connect: gloo's connect waits for every peer this long: the limit (or the collective timeout)
         listener: the store client against a master port whose program accepts and never answers, which
             torch does not bound: 1.5 times the limit and 5 s
@@ -44,6 +47,7 @@ class Timing:
         self.beat = min(1.0, limit / 4)
         self.heartbeat_call = min(5.0, limit / 2)
         self.guess = 2 * self.beat + 1.0
+        self.named = self.guess + self.beat
         self.gloo_connect = min(self.timeout, limit)
         self.listener = 1.5 * limit + 5.0
         self.last_rank = limit + 3.0

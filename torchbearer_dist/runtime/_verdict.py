@@ -146,11 +146,15 @@ def paused(memory, now, limits):
     return None
 
 
+def silences(memory, now):
+    """``{rank: seconds}`` since each watched peer's beat last changed, of the peers whose beat was read since
+    the watch started or this rank's last gap (a peer marked left is not silent)."""
+    return {rank: now - memory.changed[rank] for rank, value in memory.last.items() if int(value) < LEFT}
+
+
 def silence(memory, now):
-    """Seconds since the longest-silent watched peer's beat last changed (a peer marked left is not
-    silent), or None when no beat has been read since the watch started or this rank's last gap."""
-    times = [memory.changed[rank] for rank, value in memory.last.items() if int(value) < LEFT]
-    return now - min(times) if times else None
+    """Seconds since the longest-silent watched peer's beat last changed, or None (see :func:`silences`)."""
+    return max(silences(memory, now).values(), default=None)
 
 
 def judge(memory, seen, limits):

@@ -89,10 +89,10 @@ class Watchdog:
         seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
         return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limits.limit)
 
-    def silence(self):
-        """Seconds the longest-silent watched peer's beat has been seen unchanged, or None (see
-        :func:`~torchbearer_dist.runtime._verdict.silence`): how a collective failed, from the heartbeat."""
-        return _verdict.silence(self._memory, time.monotonic())
+    def silences(self):
+        """``{rank: seconds}`` each watched peer's beat has been seen unchanged (see
+        :func:`~torchbearer_dist.runtime._verdict.silences`): how a collective failed, and which peer stopped."""
+        return _verdict.silences(self._memory, time.monotonic())
 
     def watch_peers(self):
         """Watch the other ranks' beats from now on (rank 0 every rank's, the others rank 0's): they all joined."""
