@@ -10,6 +10,7 @@ from torchbearer_dist.runtime._decision import (
     ARGUMENT,
     COLLECTIVE,
     HEARTBEAT,
+    INTERRUPT,
     JOIN,
     LEAVE,
     OWN,
@@ -195,3 +196,11 @@ def test_a_closed_connection_that_names_no_rank_is_not_published_by_a_rank_other
     assert late.cause.rank == -1 and not late.publish and late.stop_peers
     assert decide(replace(facts, heartbeat=_diagnosis.closed(1)), TIMING).cause == _diagnosis.closed(1)
     assert decide(replace(facts, watching=False), TIMING).until is None
+
+
+@pytest.mark.parametrize('world_size', [1, 2])
+def test_a_ctrl_c_the_main_thread_did_not_take_is_this_ranks_own_cause_told_to_its_peers(world_size):
+    """The Ctrl-C watcher asks too: its rank's own cause, published and its collective failed where peers wait."""
+    found = decide(_facts(INTERRUPT, None, rank=0, world_size=world_size), TIMING)
+    assert found == Decision(_diagnosis.interrupted(0), publish=world_size > 1, wake=world_size > 1)
+    assert found.cause.line() == 'rank 0 failed: KeyboardInterrupt: interrupted (SIGINT)'

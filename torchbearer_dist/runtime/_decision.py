@@ -3,7 +3,8 @@
 Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure
 (:mod:`._verdict` judges its samples; its verdict arrives here as a cause), the main thread when the
 handshake or gloo's connect failed (``JOIN``), when the program's block raised (``RUN``) or ended
-while a peer fell silent (``LEAVE``); :func:`first_failure` is the same question for
+while a peer fell silent (``LEAVE``), the Ctrl-C watcher of :mod:`.interrupts` when the main thread did
+not take a Ctrl-C in time (``INTERRUPT``); :func:`first_failure` is the same question for
 :func:`~torchbearer_dist.launch`, over its ranks' reports. The live group
 (:mod:`torchbearer_dist.runtime._live`) gathers the :class:`Facts` and acts on the :class:`Decision`;
 the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery is
@@ -15,8 +16,9 @@ from torchbearer_dist.runtime import _diagnosis as causes
 from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
 
 #: Where a rank is when it stops: its heartbeat judged; group creation (the handshake, gloo's
-#: connect, the barrier) failed; the program's block raised; the block ended well.
-HEARTBEAT, JOIN, RUN, LEAVE = 'heartbeat', 'join', 'run', 'leave'
+#: connect, the barrier) failed; the program's block raised; the block ended well; a Ctrl-C its main
+#: thread, blocked in native code, did not take within the watcher's grace.
+HEARTBEAT, JOIN, RUN, LEAVE, INTERRUPT = 'heartbeat', 'join', 'run', 'leave', 'interrupt'
 #: What the main thread caught (:func:`classify`): a bad argument; a peer's failure the rendezvous
 #: read; the rendezvous' own words (a duplicate rank, a rank that did not join); a pre-emption;
 #: a collective's or the store's error; anything else the rank raised.
@@ -43,8 +45,9 @@ class Facts:
 
     Attributes:
         env (DistEnv): this process's place in the job
-        phase (str): :data:`HEARTBEAT`, :data:`JOIN`, :data:`RUN` or :data:`LEAVE`
-        error (str): what the main thread caught (:func:`classify`), None at :data:`HEARTBEAT` or :data:`LEAVE`
+        phase (str): :data:`HEARTBEAT`, :data:`JOIN`, :data:`RUN`, :data:`LEAVE` or :data:`INTERRUPT`
+        error (str): what the main thread caught (:func:`classify`), None at :data:`HEARTBEAT`, :data:`LEAVE`
+            or :data:`INTERRUPT`
         own (Cause): the caught error as this rank's own cause
         reported (int): the rank a :data:`REPORTED` error names
         heartbeat (Cause): what the heartbeat found (the live group's ``cause``)
@@ -123,6 +126,8 @@ def decide(facts, timing):
         if f.heartbeat is None and not f.gathered:
             return Decision(read=0.0, deaths=False)
         return Decision(f.heartbeat or f.published, publish=f.heartbeat is not None and f.store_answers, wake=True)
+    if f.phase == INTERRUPT:  # this rank's own cause: its peers read it, and its own collective fails now
+        return Decision(causes.interrupted(rank), publish=f.env.world_size > 1, wake=f.env.world_size > 1)
     if f.env.world_size == 1 or f.error == PREEMPTED:  # a pre-emption is an agreed end at one step, not a fault
         return Decision(own=True)
     if f.phase == LEAVE:  # this rank's block ended well, but a peer fell silent before leaving

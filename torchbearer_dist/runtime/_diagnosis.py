@@ -152,6 +152,11 @@ def read_cause(store, wait=0.0, deaths=True, reader=None):
         time.sleep(0.05)
 
 
+def interrupted(rank):
+    """The :class:`Cause` for a Ctrl-C that ``rank``'s main thread, blocked in a collective, did not take in time."""
+    return Cause(rank, LOCAL, 'KeyboardInterrupt', 'interrupted (SIGINT)')
+
+
 def died(ranks):
     """The :class:`Cause` for peers of this machine whose processes are gone without a word."""
     return Cause(ranks[0], PEER, '', 'rank {} died without reporting an error: it was killed (by the OOM '

@@ -5,7 +5,8 @@ One :class:`LiveGroup`, made by :func:`~torchbearer_dist.runtime.group.init_proc
 heartbeat found. When this rank stops, it gathers the facts (what the main thread caught, what the
 heartbeat found, what the store and the process table say), asks
 :func:`~torchbearer_dist.runtime._decision.decide` and acts on the answer (publish, stop the peers,
-wait for the readers, raise), in :meth:`LiveGroup.failed` and :meth:`LiveGroup._on_watchdog`.
+wait for the readers, raise), in :meth:`LiveGroup.failed`, :meth:`LiveGroup._on_watchdog` and
+:meth:`LiveGroup.interrupted`.
 """
 import atexit
 import os
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, rendezvous
 from torchbearer_dist.runtime import env as env_module
-from torchbearer_dist.runtime._decision import COLLECTIVE, HEARTBEAT, LEAVE, RUN, Facts, classify, decide
+from torchbearer_dist.runtime._decision import COLLECTIVE, HEARTBEAT, INTERRUPT, LEAVE, RUN, Facts, classify, decide
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime._verdict import LEFT
 from torchbearer_dist.runtime._watchdog import Watchdog
@@ -96,6 +97,15 @@ class LiveGroup:
         if decision.wake and self.joining and self.main_connections:  # the handshake or gloo's connect: maybe in
             _gloo_sockets.shut_down_connections(self.main_connections)  # a store call, which this ends
             self._end_a_stuck_connect()
+
+    def interrupted(self):
+        """From the Ctrl-C watcher (:mod:`.interrupts`): the main thread did not take a Ctrl-C within its grace;
+        ask :func:`decide` and act (this rank's cause published, its collectives failed)."""
+        decision = decide(Facts(self.env, INTERRUPT), self.timing)
+        if decision.publish:
+            _diagnosis.publish(self.store, decision.cause)
+        if decision.wake:
+            self.interrupt_collectives()
 
     def failed(self, error, phase):
         """This rank's main thread stops: gather the facts, ask :func:`decide`, act on its answer.

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from torchbearer_dist.runtime import _diagnosis, env
+from torchbearer_dist.runtime import env
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, Preempted  # noqa: F401 (re-exported)
 
@@ -82,10 +82,8 @@ def _wait_for_interrupt(read_fd, write_fd, grace):
         sys.stderr.write('torchbearer_dist: rank {} interrupted inside a collective; stopping\n'.format(
             '?' if live is None else live.env.rank))
         sys.stderr.flush()
-        if live is not None and live.env.world_size > 1:
-            _diagnosis.publish(live.store, _diagnosis.Cause(live.env.rank, _diagnosis.LOCAL, 'KeyboardInterrupt',
-                                                          'interrupted (SIGINT)'))
-            live.interrupt_collectives()
+        if live is not None:  # why this rank stops is decided where every stop is (see _decision)
+            live.interrupted()
         time.sleep(grace)
         if _watch['fds'] == (read_fd, write_fd) and _watch['handled'] < received:
             os._exit(130)
