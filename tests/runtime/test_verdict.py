@@ -186,7 +186,7 @@ _INIT = _rebind(_watchdog.Watchdog.__init__, **_NAMES)
 _BEAT = _coroutine(_watchdog.Watchdog._beat, _NAMES, ['self._stop.wait', 'store.add', 'store.check',
                                                        'store.multi_get'])
 _WATCH = _coroutine(_watchdog.Watchdog._watch, _NAMES, ['self._stop.wait'])
-_DEAD_LOCAL_RANKS = _rebind(_peers.dead_local_ranks, _start_time=_rebind(_peers._start_time, _read=_proc_read))
+_DEAD_LOCAL_RANKS = _rebind(_peers.dead_local_ranks, stat=_rebind(_peers.stat, _read=_proc_read))
 
 
 # -------------------------------------------------------------------- the world: store, processes, load

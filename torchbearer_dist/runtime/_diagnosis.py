@@ -8,14 +8,13 @@ gloo says "Connection closed by peer" or "Timed out waiting ...", never naming t
 """
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _peers, _verdict
-from torchbearer_dist.runtime._timing import Timing
+from torchbearer_dist.runtime._timing import Timing, poll
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
@@ -121,16 +120,15 @@ def wait_until_read(store, world_size, seconds=Timing.READERS, skip=None):
     and a rank that reads twice (its heartbeat and its main thread), count for nobody else.
     ``skip`` is the rank the cause names, which will not read it (it published it, died or fell silent).
     """
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    def read():
         gone = set(_peers.dead_local_ranks()) | {skip}
         keys = ['error_seen/{}'.format(r) for r in range(1, world_size) if r not in gone]
-        try:
-            if not keys or store.check(keys):
-                return
-        except Exception:
-            return
-        time.sleep(0.05)
+        return not keys or store.check(keys)
+
+    try:
+        poll(read, seconds)
+    except Exception:  # the store is gone: nobody is left to read
+        pass
 
 
 def read_cause(store, wait=0.0, deaths=True, reader=None):
@@ -139,17 +137,18 @@ def read_cause(store, wait=0.0, deaths=True, reader=None):
     first). ``reader``, this rank, is marked as having read it (see :func:`wait_until_read`). Raises what
     the store raises when it stops answering."""
     store.set_timeout(_SHORT)
-    deadline = time.monotonic() + wait
-    while True:
-        dead = _peers.dead_local_ranks() if deaths else []
-        if store.check(['error']):
-            cause = Cause.from_json(store.get('error').decode())
-            if reader is not None:
-                store.set('error_seen/{}'.format(reader), '1')
-            return cause, dead
-        if dead or time.monotonic() > deadline:
-            return None, dead
-        time.sleep(0.05)
+    dead = []
+
+    def found():  # the dead first: a peer seen gone published before it went, if it did
+        dead[:] = _peers.dead_local_ranks() if deaths else []
+        return store.check(['error']) or dead
+
+    if poll(found, wait) is not True:
+        return None, dead
+    cause = Cause.from_json(store.get('error').decode())
+    if reader is not None:  # read: rank 0 may end its store now
+        store.set('error_seen/{}'.format(reader), '1')
+    return cause, dead
 
 
 def interrupted(rank):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, rendezvous
 from torchbearer_dist.runtime import env as env_module
 from torchbearer_dist.runtime._decision import COLLECTIVE, HEARTBEAT, INTERRUPT, LEAVE, RUN, Facts, classify, decide
-from torchbearer_dist.runtime._timing import Timing
+from torchbearer_dist.runtime._timing import Timing, poll
 from torchbearer_dist.runtime._verdict import LEFT
 from torchbearer_dist.runtime._watchdog import Watchdog
 from torchbearer_dist.runtime.errors import PeerFailedError
@@ -171,10 +171,7 @@ class LiveGroup:
         times its timeout, and nothing interrupts that native call. Woken first (its store connections shut),
         a main thread still inside it ``grace`` seconds later, with no user code running yet, is ended: the
         cause in one line and status 1, as the uncaught error would have (``os._exit``: no exit handlers)."""
-        deadline = time.monotonic() + grace
-        while self.connecting and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self.connecting:
+        if poll(lambda: not self.connecting, grace):
             return
         line = self.cause.line() if self.cause is not None else 'another rank failed while the ranks were connecting'
         sys.stderr.write('torchbearer_dist: error: {} (rank {} stopped while gloo was connecting)\n'.format(

@@ -20,13 +20,11 @@ def _read(path):
         return ''
 
 
-def _start_time(pid):
-    """``(state, start time in clock ticks)`` of ``pid``, or None when there is no such process."""
+def stat(pid):
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` the state, ``[11]`` and ``[12]`` the CPU
+    ticks used, ``[19]`` the start time in ticks), or None when there is no such process."""
     text = _read('/proc/{}/stat'.format(pid))
-    if not text:
-        return None
-    fields = text.rsplit(')', 1)[1].split()
-    return fields[0], fields[19]
+    return text.rsplit(')', 1)[1].split() if text else None
 
 
 def _namespace():
@@ -38,9 +36,9 @@ def _namespace():
 
 def identity():
     """This process's identity as published to the peers: ``host boot pidns pid start``, five space-free fields."""
-    state = _start_time(os.getpid())
+    fields = stat(os.getpid())
     return ' '.join([socket.gethostname() or '-', _read('/proc/sys/kernel/random/boot_id') or '-',
-                     _namespace().replace(' ', '') or '-', str(os.getpid()), state[1] if state else '-'])
+                     _namespace().replace(' ', '') or '-', str(os.getpid()), fields[19] if fields else '-'])
 
 
 def local_peers(store, rank, world_size):
@@ -66,8 +64,8 @@ def dead_local_ranks(peers=None):
         peers = env._live.peers if env._live is not None else {}
     dead = []
     for other, (pid, start) in sorted(peers.items()):
-        now = _start_time(pid)
-        if now is None or now[0] in ('Z', 'X') or now[1] != start:
+        now = stat(pid)
+        if now is None or now[0] in ('Z', 'X') or now[19] != start:
             dead.append(other)
     return dead
 

@@ -12,7 +12,7 @@ import time
 from multiprocessing import connection, resource_tracker, util
 
 from torchbearer_dist._once import warn_once
-from torchbearer_dist.runtime import errors, interrupts
+from torchbearer_dist.runtime import _peers, errors, interrupts
 from torchbearer_dist.runtime._decision import first_failure
 from torchbearer_dist.runtime._timing import Timing
 
@@ -156,12 +156,8 @@ class StderrTail:
 
 def _stat(pid):
     """``(state, CPU seconds used so far by all its threads)`` of process ``pid``, or ``('', None)``."""
-    try:
-        with open('/proc/{}/stat'.format(pid)) as f:
-            fields = f.read().rsplit(')', 1)[1].split()
-        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-    except (OSError, ValueError, IndexError):
-        return '', None
+    fields = _peers.stat(pid)
+    return ('', None) if fields is None else (fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'))
 
 
 class _Idle:

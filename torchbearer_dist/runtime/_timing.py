@@ -1,4 +1,6 @@
-"""Every wait of the fault machinery, in one place: derived from the user's two timeouts, with its reason."""
+"""Every wait of the fault machinery, in one place: derived from the user's two timeouts, with its reason;
+and the one loop that waits for a condition (:func:`poll`)."""
+import time
 
 
 class Timing:
@@ -60,3 +62,17 @@ class Timing:
     def read_wait(self, timed_out):
         """Seconds a failed collective polls the store for a peer's cause (see ``CAUSE_WAIT``)."""
         return 1.0 if timed_out else self.CAUSE_WAIT
+
+
+def poll(ready, seconds, step=0.05):
+    """Call ``ready`` every ``step`` seconds until it returns a true value, or for ``seconds`` at most.
+
+    Returns:
+        its last value
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        value = ready()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(step)

@@ -12,6 +12,7 @@ created here rather than by :func:`torch.distributed.init_process_group` so that
   processes that disagree on the world size, and a stale job on the same port.
 """
 import errno
+import functools
 import os
 import socket
 import threading
@@ -21,7 +22,7 @@ import uuid
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis, _peers, network
-from torchbearer_dist.runtime._timing import Timing
+from torchbearer_dist.runtime._timing import Timing, poll
 from torchbearer_dist.runtime.errors import PeerFailedError
 
 #: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
@@ -189,14 +190,12 @@ def connect_client(env, environ):
 def _wait(store, keys, timeout, what, rank=None):
     """Wait for ``keys``: RuntimeError saying ``what`` after ``timeout``; a PeerFailedError naming a rank that
     published its failure meanwhile (e.g. Ctrl-C on it); the store's error when it went away."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(keys):
-        if store.check(['error']):
-            raise PeerFailedError.from_cause(_diagnosis.read_cause(store, deaths=False, reader=rank)[0], rank)
-        if time.monotonic() > deadline:
-            raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
-                               '--port'.format(what, timeout.total_seconds()))
-        time.sleep(0.05)
+    if poll(lambda: store.check(keys) or store.check(['error']), timeout.total_seconds()) and store.check(keys):
+        return
+    if store.check(['error']):
+        raise PeerFailedError.from_cause(_diagnosis.read_cause(store, deaths=False, reader=rank)[0], rank)
+    raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
+                       '--port'.format(what, timeout.total_seconds()))
 
 
 def handshake(store, env):
@@ -237,7 +236,7 @@ def handshake(store, env):
         if theirs != env.world_size:
             store.set('checked/{}'.format(env.rank), 'mismatch')
             if env.rank == 0:  # the store dies with rank 0: let the other side read rank 0's value first
-                _poll(store, 'checked/{}'.format(other), Timing.READERS)
+                poll(functools.partial(store.check, ['checked/{}'.format(other)]), Timing.READERS)
             raise ValueError('world size mismatch: this process (rank {}) has world_size={} but rank {} has '
                              'world_size={}; start every process with the same --world-size'.format(
                                  env.rank, env.world_size, other, theirs))
@@ -249,10 +248,3 @@ def wait_until_connected(store, env):
     rank while a peer may still complete its side, and a rank that then left at once failed that peer
     ("Connection closed by peer": 3 in 90 two-rank launches, 0 in 90 with this wait)."""
     dist.barrier()
-
-
-def _poll(store, key, seconds):
-    """Wait up to ``seconds`` for ``key``; quietly, unlike ``store.wait`` whose timeout logs a C++ warning."""
-    deadline = time.monotonic() + seconds
-    while not store.check([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
