@@ -246,6 +246,10 @@ def _rank_main(fn, rank, world_size, port, backend, timeout, group, args, kwargs
         else:
             dist.init_process_group(backend, init_method='tcp://127.0.0.1:{}'.format(port), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            # gloo's connect returns on one rank while its peer may still complete its side: a rank whose
+            # ``fn`` then destroyed the group at once failed that peer with "Connection closed by peer"
+            # (tests/callbacks' late-group test, 3 in 24 under load; rendezvous.wait_until_connected)
+            dist.barrier()
             try:
                 result = fn(*args, **kwargs)
             finally:
