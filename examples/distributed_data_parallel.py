@@ -137,7 +137,7 @@ def worker(args):
         trial.to(model.device)
     history = trial.run(epochs=args.epochs, verbose=0)
 
-    if tbd.is_main_process() and (not args.fault_tolerant or callbacks[-1].writer):
+    if tbd.is_main_process():  # every replica in the fault-tolerant mode
         torch.save((model.module if ddp else model).state_dict(), args.save)
         print('saved the model to {}'.format(args.save), flush=True)
     return {name: float(value) for name, value in history[-1].items()}

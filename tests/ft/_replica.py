@@ -19,12 +19,19 @@ import torchbearer_dist as tbd
 
 
 class Progress(Callback):
-    def __init__(self, sleep):
+    """Prints each step and sleeps ``sleep`` s; at its ``gate_step``-th step waits for the file ``gate``."""
+
+    def __init__(self, sleep, gate=None, gate_step=None):
         super().__init__()
-        self.sleep = sleep
+        self.sleep, self.gate, self.gate_step, self.steps = sleep, gate, gate_step, 0
 
     def on_step_training(self, state):
         print('STEP', state[torchbearer.EPOCH], state[torchbearer.BATCH], flush=True)
+        self.steps += 1
+        if self.gate is not None and self.steps == self.gate_step:
+            end = time.monotonic() + 120
+            while not os.path.exists(self.gate) and time.monotonic() < end:
+                time.sleep(0.05)
         time.sleep(self.sleep)
 
 
@@ -38,6 +45,8 @@ def main():
     parser.add_argument('--hidden', type=int, default=32)
     parser.add_argument('--sleep', type=float, default=0.0)
     parser.add_argument('--timeout', type=float, default=10.0)
+    parser.add_argument('--gate', type=str, help='a file to wait for at the --gate-step-th step of this process')
+    parser.add_argument('--gate-step', type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(100 + args.replica)  # different initial weights: the first step's init_sync aligns them
@@ -52,8 +61,9 @@ def main():
                                           timeout=args.timeout)
     ft = callbacks[-1]
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
-                  callbacks=[Progress(args.sleep), *callbacks])
+                  callbacks=[Progress(args.sleep, args.gate, args.gate_step), *callbacks])
     trial.with_generators(loader)
+    print('READY', flush=True)
     history = trial.run(args.epochs, verbose=0)
     digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print('DONE', digest, ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)

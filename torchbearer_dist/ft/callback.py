@@ -49,8 +49,9 @@ class FaultTolerantAllReduce(Callback):
         lighthouse (str): the lighthouse's address, ``HOST:PORT``; None or True reads ``$TORCHFT_LIGHTHOUSE``
         replica_id (str): this replica's name, the same when it restarts (default: the host name)
         min_replicas (int): steps wait, up to ``timeout``, for at least this many live replicas
-        timeout (float): seconds for a collective, a heal and a quorum; a lost replica stalls the others
-            about this long at most
+        timeout (float): seconds for a collective and a heal (a quorum: three times as long); a lost
+            replica stalls the others about this long at most. Keep the lighthouse's join timeout at least
+            as long
         host (str): the address other replicas reach this one at (default: its address on the route to
             the lighthouse)
         loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed

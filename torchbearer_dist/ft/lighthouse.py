@@ -31,8 +31,10 @@ class Lighthouse:
     Args:
         bind (str): ``HOST:PORT`` to listen on (port 0: any free port)
         min_replicas (int): the fewest live replicas that make a quorum
-        join_timeout (float): seconds a quorum waits for a replica that was in the last one (a replica that
-            is slow to reach its next step) before going on without it
+        join_timeout (float): seconds a quorum waits for a replica that is alive (it heartbeats) but has not asked
+            for the next step yet, before going on without it. Keep it at least the replicas' ``timeout``: a
+            replica stuck that long in a collective with a lost peer must not find that a replica starting
+            meanwhile formed a quorum without it (two quorums training apart)
         heartbeat_timeout (float): seconds without a heartbeat after which a replica counts as lost
 
     Raises:
@@ -40,7 +42,7 @@ class Lighthouse:
         RuntimeError: torchft is missing, or ``bind`` cannot be bound
     """
 
-    def __init__(self, bind=DEFAULT_BIND, min_replicas=1, join_timeout=10.0,
+    def __init__(self, bind=DEFAULT_BIND, min_replicas=1, join_timeout=60.0,
                  heartbeat_timeout=5.0):
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
             raise ValueError('min_replicas should be an integer >= 1, but given {!r}'.format(min_replicas))
@@ -76,8 +78,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description='Run the lighthouse of a fault-tolerant torchbearer_dist job.')
     parser.add_argument('--bind', type=str, default=DEFAULT_BIND, help='HOST:PORT to listen on')
     parser.add_argument('--min-replicas', type=int, default=1, help='fewest live replicas that train')
-    parser.add_argument('--join-timeout', type=float, default=10.0,
-                        help='seconds a quorum waits for a replica of the last one')
+    parser.add_argument('--join-timeout', type=float, default=60.0,
+                        help="seconds a quorum waits for a live replica (at least the replicas' timeout)")
     parser.add_argument('--heartbeat-timeout', type=float, default=5.0,
                         help='seconds of silence after which a replica is lost')
     args = parser.parse_args(argv)

@@ -14,6 +14,9 @@ from torch.distributed import TCPStore
 
 from torchbearer_dist.runtime.network import route_source
 
+#: A quorum may take this many ``timeout``\ s: the others may be stuck up to one ``timeout`` in a collective
+#: with a lost peer, and the lighthouse waits for them (its join timeout, at least one ``timeout``).
+QUORUM_TIMEOUTS = 3
 #: How a user installs torchft, in every error that finds it missing.
 INSTALL = 'pip install "torchbearer_dist[ft]"'
 
@@ -70,6 +73,19 @@ def check_lighthouse(url, timeout):
                                url, timeout)) from None
 
 
+def _transport(host, timeout):
+    """torchft's HTTP checkpoint transport, advertising ``host`` where torchft advertises the host name (which
+    may resolve to another address, as in a network namespace or behind NAT)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self):
+            url = urlparse(super().address())
+            return url._replace(netloc='{}:{}'.format(host, url.port)).geturl()
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
 class Replica:
     """This process as a replica group of one: a TCPStore, a torchft gloo group and a ``torchft.Manager``.
 
@@ -90,7 +106,7 @@ class Replica:
         load_state_dict (callable): loads what ``state_dict`` returned, when this replica heals
         state_dict (callable): this replica's state, sent to a replica that heals from it
         min_replicas (int): fewer live replicas than this and the others wait (up to ``timeout``)
-        timeout (float): seconds for a collective, a heal, and a quorum
+        timeout (float): seconds for a collective and a heal; a quorum may take three times as long
         host (str): the address other replicas reach this one at (default: this machine's address on the
             route to the lighthouse)
 
@@ -112,9 +128,9 @@ class Replica:
         self.group = torchft.ProcessGroupGloo(timeout=limit)
         self.manager = torchft.Manager(
             pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
-            use_async_quorum=False, timeout=limit, quorum_timeout=limit, connect_timeout=limit, rank=0,
-            world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=replica_id, hostname=self.host)
+            use_async_quorum=False, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
+            rank=0, world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit))
         self.timeout, self.min_replicas = timeout, min_replicas
 
     def start_quorum(self):
@@ -134,7 +150,7 @@ class Replica:
             check_lighthouse(self.lighthouse, min(self.timeout, 5.0))
             raise RuntimeError('no quorum within {:g} s at the lighthouse {}: fewer live replicas than the minimum '
                                '(its --min-replicas, or min_replicas={} here); start more replicas or lower the '
-                               'minimum ({})'.format(self.timeout, self.lighthouse, self.min_replicas,
+                               'minimum ({})'.format(QUORUM_TIMEOUTS * self.timeout, self.lighthouse, self.min_replicas,
                                                      (str(e).splitlines() or [type(e).__name__])[0][:120])) from None
 
     def shutdown(self):

@@ -1,0 +1,103 @@
+"""Replica processes of the fault-tolerant tests (tests/ft/_replica.py), each in its own session, its output in files.
+
+Every session is killed when a test ends (:meth:`Replicas.kill_all`), so nothing outlives it.
+"""
+import os
+import signal
+import subprocess
+import time
+
+from _dist import STARTUP, child_env, kill_session, python
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Replicas:
+    """Replica processes of one test, each in its own session, with its output in a file; all killed at the end."""
+
+    def __init__(self, tmp_path, lighthouse, hosts=None):
+        self.tmp_path, self.lighthouse, self.hosts = tmp_path, lighthouse, hosts
+        self.started = []  # (process, stdout path, stderr path)
+
+    def start(self, replica, *args):
+        """Start replica ``replica`` (on host ``replica`` of ``hosts``, if given); returns its index in ``started``."""
+        out, err = (self.tmp_path / 'r{}-{}.{}'.format(replica, len(self.started), kind) for kind in ('out', 'err'))
+        command = python(os.path.join(HERE, '_replica.py'), '--lighthouse', self.lighthouse, '--replica', str(replica),
+                         *args)
+        env = child_env(RUST_LOG='warn')
+        if self.hosts is not None:  # gloo on the host's own link: its host name resolves outside the namespace
+            command, env['GLOO_SOCKET_IFNAME'] = self.hosts.command(replica, command), self.hosts.links[replica]
+        with open(out, 'w') as stdout, open(err, 'w') as stderr:
+            process = subprocess.Popen(command, stdout=stdout, stderr=stderr, start_new_session=True, env=env)
+        self.started.append((process, out, err))
+        return len(self.started) - 1
+
+    def process(self, i):
+        return self.started[i][0]
+
+    def out(self, i):
+        return self.started[i][1].read_text()
+
+    def err(self, i):
+        return self.started[i][2].read_text()
+
+    def steps(self, i):
+        return self.out(i).count('STEP ')
+
+    def wait_for(self, what, deadline, i=None):
+        """Poll ``what()`` until true; fail at ``deadline`` seconds with every replica's output."""
+        end = time.monotonic() + deadline
+        while not what():
+            if time.monotonic() > end:
+                raise AssertionError('still waiting after {} s:\n{}'.format(deadline, self.describe()))
+            time.sleep(0.1)
+
+    def describe(self):
+        return '\n'.join('--- {} (rc {}):\n{}\n{}'.format(p.pid, p.poll(), self.out(i)[-800:], self.err(i)[-1500:])
+                         for i, (p, _, _) in enumerate(self.started))
+
+    def done(self, i):
+        lines = [line.split(' ', 4) for line in self.out(i).splitlines() if line.startswith('DONE ')]
+        return lines[-1][1:] if lines else None
+
+    def kill_all(self):
+        for process, _, _ in self.started:
+            kill_session(process.pid)
+            process.wait()
+
+
+def kill_one_and_heal(replicas, lost_bound):
+    """Three replicas, 60 steps per epoch, 2 epochs; replica 1 killed with SIGKILL in its first epoch, then restarted.
+
+    Asserts that the survivors go on within ``lost_bound`` seconds without restarting, and that the restarted
+    one heals and ends with the survivors' weights, bit for bit, and their metrics.
+
+    Returns:
+        float: seconds from the kill until both survivors had trained 3 more steps
+    """
+    args = ('--epochs', '2', '--sleep', '0.05')
+    gate = str(replicas.tmp_path / 'gate')  # the survivors hold at their 40th step until the replacement is up
+    first = [replicas.start(r, *args, '--gate', gate, '--gate-step', '40') for r in range(3)]
+    replicas.wait_for(lambda: replicas.steps(first[1]) >= 20, STARTUP + 60)
+    os.kill(replicas.process(first[1]).pid, signal.SIGKILL)
+    killed_at, before = time.monotonic(), [replicas.steps(i) for i in (first[0], first[2])]
+    replicas.wait_for(lambda: min(replicas.steps(first[0]) - before[0], replicas.steps(first[2]) - before[1]) >= 3,
+                      lost_bound)
+    stall = time.monotonic() - killed_at
+    assert all(replicas.process(i).poll() is None for i in (first[0], first[2])), replicas.describe()
+    restarted = replicas.start(1, *args)
+    replicas.wait_for(lambda: 'READY' in replicas.out(restarted), STARTUP + 60)
+    open(gate, 'w').close()
+    replicas.wait_for(lambda: all(replicas.done(i) for i in (first[0], first[2], restarted)), STARTUP + 180)
+    digests = {i: replicas.done(i) for i in (first[0], first[2], restarted)}
+    # The survivors never restarted: the DONE line comes from the very processes started first.
+    for i in (first[0], first[2]):
+        assert int(digests[i][2]) == replicas.process(i).pid and replicas.process(i).wait(30) == 0
+    assert replicas.process(restarted).wait(30) == 0, replicas.describe()
+    assert int(digests[restarted][1]) >= 1, 'the restarted replica did not heal: {}'.format(replicas.describe())
+    # Bit-identical weights on all three, and the same global metrics.
+    assert len({d[0] for d in digests.values()}) == 1, digests
+    assert len({d[3] for d in digests.values()}) == 1, digests
+    # The restarted one took up the survivors' position: it trained fewer steps than a whole run (120).
+    assert replicas.steps(restarted) < 120 - 20
+    return stall
