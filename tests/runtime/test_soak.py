@@ -206,6 +206,9 @@ class _Job:
     def stderr(self):
         return b''.join(t for t, out in self.text.values() if not out).decode(errors='replace')
 
+    def stderr_of(self, process):
+        return self.text[process.stderr.fileno()][0].decode(errors='replace')
+
     def wait_for(self, pattern, timeout):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -292,6 +295,26 @@ TARGETED = [
     ('launch', 'end', 'stop', 0),     # rank 0 frozen after the others finished: launch waited forever
     ('hand', 'end', 'stop', 1),       # rank 1 frozen at the end while rank 0 finished: rank 0 was blamed
 ]
+_SILENT_1 = (r'^error: no heartbeat from rank 1 for {} s: its host is down or the network is partitioned \(a rank '
+             r'that is merely busy keeps beating\); check that host and the network, or raise rendezvous_timeout= '
+             r'\(rank 0 stopped\)$').format(RENDEZVOUS_TIMEOUT)
+#: For each targeted trial, what each of its processes must end with: (exit status, the one error line it
+#: says, a pattern), in the order of the trial's commands (rank 0 and 1 by hand, the launcher alone); None
+#: for the frozen rank, which is the user's to kill.
+NAMED = {
+    ('hand', 'connect', 'stop', 1): [(1, _SILENT_1), None],
+    ('hand', 'connect', 'stop', 0): [None, (1, (
+        r'^error: no answer from rank 0 \(the master at 127\.0\.0\.1:\d+\) for {} s: its host is down or the '
+        r'network is partitioned; check that host and the network, or raise rendezvous_timeout= '
+        r'\(rank 1 stopped\)$').format(RENDEZVOUS_TIMEOUT))],
+    ('hand', 'rendezvous', 'int', 0): [(130, r'^error: interrupted$'),
+                                       (1, r'^error: rank 0 failed: KeyboardInterrupt \(rank 1 stopped\)$')],
+    ('launch', 'end', 'stop', 0): [(1, (
+        r'^error: rank 0 did not end within {:g} s of the other ranks, and used no CPU meanwhile: it is frozen '
+        r'\(stopped by a signal, or stuck in native code\); stopped it$').format(
+            RENDEZVOUS_TIMEOUT + 3))],  # Timing.last_rank: the limit and 3 s
+    ('hand', 'end', 'stop', 1): [(1, _SILENT_1), None],
+}
 
 
 @pytest.mark.slow
@@ -299,8 +322,10 @@ TARGETED = [
 @pytest.mark.parametrize('launcher, phase, fault, fault_rank', TARGETED, ids=['{}-{}-{}-rank{}'.format(*t)
                                                                             for t in TARGETED])
 def test_targeted_fault_is_bounded_and_named(launcher, phase, fault, fault_rank):
+    """As the soak's trial, and each process that is not frozen ends with its expected status and one error
+    line naming the cause (the soak's own check passes when no process says an error at all)."""
     from _dist import free_port
-    _trial(launcher, phase, fault, fault_rank, None, free_port())
+    _trial(launcher, phase, fault, fault_rank, None, free_port(), NAMED[launcher, phase, fault, fault_rank])
 
 
 def _commands(launcher, phase, fault_rank, hosts, port):
@@ -317,7 +342,8 @@ def _commands(launcher, phase, fault_rank, hosts, port):
     return [hosts.command(r, c) for r, c in enumerate(commands)] if hosts else commands
 
 
-def _trial(launcher, phase, fault, fault_rank, hosts, port):
+def _trial(launcher, phase, fault, fault_rank, hosts, port, ends_with=None):
+    """One trial; with ``ends_with`` (see :data:`NAMED`), each process's exit status and error line are checked too."""
     from _dist import session  # not at the top: this file is also the ranks' program, which needs no torch yet
     job = _Job(_commands(launcher, phase, fault_rank, hosts, port), _env())
     stopped = []
@@ -367,6 +393,13 @@ def _trial(launcher, phase, fault, fault_rank, hosts, port):
             # the host cut off can only say its peer went silent
             wrong = [r for r in wrong if r != 1 - fault_rank]
         assert not wrong, 'the errors name rank {} for a fault of rank {}: {}'.format(wrong, fault_rank, errors)
+        for process, expected in zip(job.processes, ends_with or ()):
+            if expected is not None:
+                status, pattern = expected
+                lines = [line for line in job.stderr_of(process).splitlines() if line.startswith(
+                    ('error: ', 'torchbearer_dist: error: '))]
+                assert (process.returncode, len(lines)) == (status, 1), (process.returncode, job.stderr_of(process))
+                assert re.search(pattern, lines[0]), lines[0]
         # nothing left behind: the launcher's ranks die with it (pre-empted by SIGTERM included)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(session(p.pid) for p in job.processes
