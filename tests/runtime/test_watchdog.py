@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import launcher
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime._watchdog import Watchdog
 from torchbearer_dist.runtime.env import DistEnv
 
@@ -29,9 +30,16 @@ def store():
     del server
 
 
-#: Seconds a thread of this process may wait for a core on a machine loaded 6x its cores, on top of the
-#: watchdog's own bound (the limit, one beat of sampling and one of judging).
-LOADED = 3.0
+#: Seconds between beats at :data:`LIMIT` (a quarter of it).
+BEAT = Timing(LIMIT).beat
+#: The bounds docs/troubleshooting.rst states, from the silent peer's last beat: named once silent for the
+#: limit, two beats and a quarter at most later (a beat to read its last beat, one to read it again
+#: unchanged, a quarter for the check); a quarter beat when it is rank 0 and its store stopped answering.
+NAMED_WITHIN = LIMIT + 2.25 * BEAT
+STORE_NAMED_WITHIN = LIMIT + 0.25 * BEAT
+#: Fixed headroom on those bounds: the watch thread of this process woken late by a loaded machine (the
+#: docs: "a loaded machine adds what it delays these threads"); never scaled by the load.
+HEADROOM = 0.25
 
 
 def _watch(store, period, beats):
@@ -46,13 +54,15 @@ def _watch(store, period, beats):
             beaten.append(time.monotonic())  # the beat lands in the store no earlier
             store.add('hb/0', 1)
             time.sleep(period)
-        deadline = time.monotonic() + 3 * LIMIT + LOADED
+        deadline = time.monotonic() + NAMED_WITHIN + HEADROOM + 1.0  # then the bound is asserted
         while not failures and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         watchdog.stop()
         watchdog.join()
     gap = max(b - a for a, b in zip(beaten, beaten[1:]))
+    print('named {} s after the last beat; bound {:.2f} s and {:g} s of headroom'.format(
+        [round(at - beaten[-1], 3) for _, _, at in failures], NAMED_WITHIN, HEADROOM))
     return [(cause.line() if cause else None, answers, round(at - beaten[-1], 2))
             for cause, answers, at in failures], gap
 
@@ -71,16 +81,16 @@ def test_a_peer_beating_slower_than_it_is_sampled_but_within_the_limit_is_never_
     # beat (the rule before), the silence read up to 0.75 + 0.25 + the store calls: over the limit.
     failures, gap = _watch(store, period=0.75 * LIMIT, beats=6)
     # the last beat's peer then falls silent: named once, after the limit (never before: the order), within
-    # a beat of sampling and one of judging, plus what a loaded machine adds
+    # the docs' two beats and a quarter
     assert gap < LIMIT, 'this machine stretched a 0.75 s sleep to {:.2f} s: the schedule was not healthy'.format(gap)
     assert [(line, answers) for line, answers, _ in failures] == [(SILENCE, True)], failures
-    assert LIMIT <= failures[0][2] < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+    assert LIMIT <= failures[0][2] < NAMED_WITHIN + HEADROOM, failures
 
 
-def test_a_peer_that_stops_is_named_within_the_limit_and_one_beat_of_its_last_beat(store):
+def test_a_peer_that_stops_is_named_within_the_limit_and_two_beats_and_a_quarter_of_its_last_beat(store):
     failures, _ = _watch(store, period=0.1, beats=3)
     assert [(line, answers) for line, answers, _ in failures] == [(SILENCE, True)], failures
-    assert LIMIT <= failures[0][2] < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+    assert LIMIT <= failures[0][2] < NAMED_WITHIN + HEADROOM, failures
 
 
 def test_before_every_rank_joined_only_the_store_is_watched_then_the_peers_beats(store):
@@ -95,14 +105,15 @@ def test_before_every_rank_joined_only_the_store_is_watched_then_the_peers_beats
         assert failures == []
         told = time.monotonic()
         watchdog.watch_peers()
-        deadline = told + 3 * LIMIT + LOADED
+        deadline = told + NAMED_WITHIN + HEADROOM + 1.0
         while not failures and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         watchdog.stop()
         watchdog.join()
+    print('named {:.3f} s after watch_peers(); bound {:.2f} s'.format(failures[0][1] - told, NAMED_WITHIN))
     assert [cause.line() for cause, _ in failures] == [SILENCE], failures
-    assert LIMIT <= failures[0][1] - told < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+    assert LIMIT <= failures[0][1] - told < NAMED_WITHIN + HEADROOM, failures
 
 
 def test_before_every_rank_joined_a_store_that_stops_answering_names_rank_0():
@@ -119,12 +130,13 @@ def test_before_every_rank_joined_a_store_that_stops_answering_names_rank_0():
     watchdog = Watchdog(_env(), Silent(), lambda cause, answers: failures.append((cause, answers, time.monotonic())),
                         peers=False).start()
     try:
-        while not failures and time.monotonic() < started + 3 * LIMIT + LOADED:
+        while not failures and time.monotonic() < started + STORE_NAMED_WITHIN + HEADROOM + 1.0:
             time.sleep(0.02)
     finally:
         watchdog.stop()
         watchdog.join()
+    print('named {:.3f} s after the start; bound {:.2f} s'.format(failures[0][2] - started, STORE_NAMED_WITHIN))
     assert [(cause.line(), answers) for cause, answers, _ in failures] == [
         ('no answer from rank 0 (the master at 127.0.0.1:0) for 1 s: its host is down or the network is '
          'partitioned; check that host and the network, or raise rendezvous_timeout=', False)], failures
-    assert LIMIT <= failures[0][2] - started < LIMIT + 2 * 0.25 * LIMIT + LOADED, failures
+    assert LIMIT <= failures[0][2] - started < STORE_NAMED_WITHIN + HEADROOM, failures
