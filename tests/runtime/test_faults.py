@@ -11,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from _dist import CAUSE_WAIT, ROOT, STARTUP, child_env, free_port, launch_workers
+from torchbearer_dist.runtime._timing import Timing
+
+from _dist import ROOT, STARTUP, child_env, free_port, launch_workers
 from _fault_rank import HERE, RENDEZVOUS_TIMEOUT, TIMEOUT
-from _faults import BEAT, DEAD_PEER_BOUND, _assert_gone, _error_lines, _kill_all, _start_rank, _wait_all, _wait_for_line
+from _faults import DEAD_PEER_BOUND, _assert_gone, _error_lines, _kill_all, _start_rank, _wait_all, _wait_for_line
 from _netns import TwoHosts
 
 # --------------------------------------------------------------------------------------------------
@@ -98,6 +101,13 @@ def test_launcher_reraises_the_root_cause_once():
 # --------------------------------------------------------------------------------------------------
 # 2. Silent peer: a host drops off the network (its veth link goes down); nobody gets an error.
 
+#: Seconds from a host's link going down to every rank's error line: the docs' bound for naming a silent peer
+#: (troubleshooting.rst: the rendezvous timeout, two beats and a quarter at most later, counted from its
+#: last beat, which came before the fault), then the local path to the line (the cause published or the
+#: store found silent, the main thread woken), and fixed headroom for a loaded machine; never scaled by it.
+SILENT_BOUND = RENDEZVOUS_TIMEOUT + 2.25 * Timing(RENDEZVOUS_TIMEOUT).beat + 1.5
+
+
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.parametrize('silent', [1, 0])
@@ -116,15 +126,18 @@ def test_silent_peer_ends_every_rank_within_the_rendezvous_timeout(silent):
                                               start_new_session=True, env=env, cwd=ROOT))
             for process in ranks:
                 _wait_for_line(process, 'ready', timeout=90)
+            fault = time.monotonic()  # the link goes down during the call: its last beat came before
             hosts.link_down(silent)
-            said = {}
-            # rank 1's store calls time out after half the rendezvous timeout before it counts the silence
-            bound = RENDEZVOUS_TIMEOUT * 1.5 + BEAT + CAUSE_WAIT
-            elapsed, results = _wait_all(ranks, bound + 20, said)
-            print('link of rank {} down: errors after {} s, all ended in {:.2f} s: {}'.format(
-                silent, ['{:.2f}'.format(said.get(p, float('nan'))) for p in ranks], elapsed,
+            said, began = {}, time.monotonic()
+            elapsed, results = _wait_all(ranks, SILENT_BOUND + 20, said)
+            said = [said.get(p, float('nan')) + began - fault for p in ranks]  # from the fault
+            print('link of rank {} down: errors after {} s (bound {:.2f} s), all ended {:.2f} s after it: {}'.format(
+                silent, ['{:.2f}'.format(seconds) for seconds in said], SILENT_BOUND, elapsed + began - fault,
                 [r[1] for r in results]))
-            assert max(said.values()) < bound
+            # never before the limit: the silence counts from the last round that was answered, which began
+            # a beat (and its own duration) at most before the fault
+            assert RENDEZVOUS_TIMEOUT - 1.5 * Timing(RENDEZVOUS_TIMEOUT).beat < min(said), said
+            assert max(said) < SILENT_BOUND, said
             expected = [
                 'error: no heartbeat from rank 1 for {} s: its host is down or the network is partitioned (a rank '
                 'that is merely busy keeps beating); check that host and the network, or raise rendezvous_timeout= '
