@@ -188,11 +188,15 @@ def test_a_connection_closed_in_a_job_of_three_names_the_rank_whose_beat_stopped
 
 
 def test_a_closed_connection_that_names_no_rank_is_not_published_by_a_rank_other_than_0():
-    """Rank 0 names the rank; the others wait for its cause, which their heartbeat reads, and publish none."""
+    """Rank 0 names the rank; the others wake it (they stop their peers), wait for its cause, which their heartbeat
+    reads, and publish none: it comes Timing.named after rank 0's failure, or when rank 0's heartbeat names the
+    silent rank, at the latest."""
     facts = _facts(RUN, rank=2, world_size=3, gathered=True, watching=True, failed_at=100.0, now=101.0,
                    silences={0: 0.5})
-    assert decide(facts, TIMING).until == 100.0 + TIMING.named + TIMING.guess
-    late = decide(replace(facts, now=100.0 + TIMING.named + TIMING.guess), TIMING)
+    assert decide(facts, TIMING) == Decision(until=100.0 + LIMIT + TIMING.named, stop_peers=True)
+    assert TIMING.told == LIMIT + 3 * TIMING.beat + 1.0
+    assert not decide(replace(facts, phase=JOIN), TIMING).stop_peers
+    late = decide(replace(facts, now=100.0 + TIMING.told), TIMING)
     assert late.cause.rank == -1 and not late.publish and late.stop_peers
     assert decide(replace(facts, heartbeat=_diagnosis.closed(1)), TIMING).cause == _diagnosis.closed(1)
     assert decide(replace(facts, watching=False), TIMING).until is None

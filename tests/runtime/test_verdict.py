@@ -42,7 +42,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchbearer_dist.runtime import _diagnosis, _peers, _verdict, _watchdog
+from torchbearer_dist.runtime import _decision, _diagnosis, _peers, _verdict, _watchdog
 from torchbearer_dist.runtime._verdict import (
     DIED,
     FROZEN,
@@ -716,14 +716,14 @@ def _raised(error, filename):
 
 def test_a_collective_error_is_told_by_its_type_and_where_it_was_raised_not_by_its_words():
     inside = os.path.join(os.path.dirname(dist.__file__), 'distributed_c10d.py')
-    assert _diagnosis.is_collective_error(_raised(RuntimeError('Connection reset by peer'), inside))
-    assert _diagnosis.is_collective_error(_raised(RuntimeError('Application timeout caused pair closure'), inside))
-    assert _diagnosis.is_collective_error(dist.DistStoreError('anything'))
+    assert _decision.is_collective_error(_raised(RuntimeError('Connection reset by peer'), inside))
+    assert _decision.is_collective_error(_raised(RuntimeError('Application timeout caused pair closure'), inside))
+    assert _decision.is_collective_error(dist.DistStoreError('anything'))
     # the rank's own errors, whatever they say
-    assert not _diagnosis.is_collective_error(_raised(RuntimeError('Connection reset by peer'), 'train.py'))
-    assert not _diagnosis.is_collective_error(_raised(RuntimeError('DataLoader timed out'), 'train.py'))
-    assert not _diagnosis.is_collective_error(_raised(ValueError('bad batch'), inside))
-    assert not _diagnosis.is_collective_error(PeerFailedError('rank 0 failed: ValueError: bad batch', 0, 'local'))
+    assert not _decision.is_collective_error(_raised(RuntimeError('Connection reset by peer'), 'train.py'))
+    assert not _decision.is_collective_error(_raised(RuntimeError('DataLoader timed out'), 'train.py'))
+    assert not _decision.is_collective_error(_raised(ValueError('bad batch'), inside))
+    assert not _decision.is_collective_error(PeerFailedError('rank 0 failed: ValueError: bad batch', 0, 'local'))
 
 
 def test_a_guess_is_a_fact_of_the_cause_and_travels_through_the_store():
@@ -744,5 +744,5 @@ def test_a_peers_silence_is_read_from_the_heartbeats_memory_not_from_an_error():
         1.5, _verdict.Sample(1.1, 1.2, False, (4, 5 + _verdict.LEFT))), limits)
     assert _verdict.silence(memory, 3.2) == pytest.approx(2.0)  # rank 1 changed at 1.2; rank 2 left
     assert _verdict.silence(_verdict.start(0.0), 3.0) is None
-    assert _diagnosis._is_timeout(RuntimeError('Timed out waiting'), None, 4.0) is False
-    assert _diagnosis._is_timeout(RuntimeError('anything'), 2.5, 4.0) is True
+    assert _decision.timed_out(RuntimeError('Timed out waiting'), None, 4.0) is False
+    assert _decision.timed_out(RuntimeError('anything'), 2.5, 4.0) is True

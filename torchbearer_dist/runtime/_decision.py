@@ -10,7 +10,10 @@ not take a Ctrl-C in time (``INTERRUPT``); :func:`first_failure` is the same que
 the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery is
 :class:`~torchbearer_dist.runtime._timing.Timing`'s, derived from the user's two timeouts.
 """
+import os
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis as causes
 from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
@@ -34,9 +37,45 @@ def classify(error, phase):
         return ARGUMENT
     if isinstance(error, PeerFailedError):
         return REPORTED
-    if causes.is_collective_error(error):
+    if is_collective_error(error):
         return COLLECTIVE
     return SETUP if phase == JOIN and isinstance(error, RuntimeError) else OWN
+
+
+_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
+
+
+def _raised_in_torch_distributed(error):
+    """Whether the innermost frame of ``error``'s traceback is torch.distributed's own code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED)
+
+
+def is_collective_error(error):
+    """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code.
+
+    Decided by facts about the exception, its type and where it was raised: torch raises
+    :class:`torch.distributed.DistError` (and its subclasses) from the store and from nccl, and gloo a
+    plain RuntimeError out of a torch.distributed call; a collective's ``Work`` waited outside
+    torch.distributed (``GradientBuckets``) re-raises gloo's as :class:`torch.distributed.DistBackendError`.
+    """
+    if isinstance(error, PeerFailedError):
+        return False
+    if isinstance(error, getattr(dist, 'DistError', ())):
+        return True
+    return type(error) is RuntimeError and _raised_in_torch_distributed(error)
+
+
+def timed_out(error, silence, limit):
+    """Whether a peer fell silent rather than left: torch said so by the error's type, or the heartbeat
+    saw a watched peer's beat unchanged for half the rendezvous timeout ``limit`` (``silence``, seconds, or
+    None without a heartbeat). A peer that left closed its connection within a beat of its last one."""
+    if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
+        return True
+    return silence is not None and silence > limit / 2
+
 
 
 @dataclass(frozen=True)
@@ -147,8 +186,9 @@ def decide(facts, timing):
             return Decision(read=timing.read_wait(f.timed_out), deaths=not f.timed_out)
         cause, own = _explain(f, timing)
         wait = _guess_wait(f, cause, timing)
-        if f.now < f.failed_at + wait:
-            return Decision(until=f.failed_at + wait)
+        if f.now < f.failed_at + wait:  # a rank waiting for rank 0's word in the block wakes rank 0 first
+            early = f.phase == RUN and cause.rank == -1 and rank != 0
+            return Decision(until=f.failed_at + wait, stop_peers=early)
     if f.phase == JOIN:  # only rank 0 publishes, through its heartbeat's connection, and keeps the store up
         published = not own and rank == 0 and f.watching
         return Decision(cause, own=own, publish=published, readers=published, skip=cause.rank)
@@ -161,11 +201,11 @@ def decide(facts, timing):
 def _guess_wait(f, cause, timing):
     """Seconds after the failure that a guessed ``cause`` waits for the heartbeat (0: none): at the join, for its
     verdict; one naming no rank, on rank 0 until the rank whose beat stopped shows (``Timing.named``), on the
-    others until rank 0's cause, published then, is read by their heartbeat (two beats and a second later)."""
+    others until their heartbeat reads rank 0's cause (``Timing.told``)."""
     if not (causes.is_guess(cause) and f.watching):
         return 0.0
     if cause.rank == -1 and f.env.rank != 0:
-        return timing.named + timing.guess
+        return timing.told
     if cause.rank == -1 and f.silences:
         return timing.named
     return timing.guess if f.phase == JOIN else 0.0

@@ -3,19 +3,15 @@
 gloo says "Connection closed by peer" or "Timed out waiting ...", never naming the rank or its error. A
 :class:`Cause` says which rank, what happened (``local``: its own error, ``peer``: it died or left,
 ``network``: it fell silent) and the sentence every rank reports. Which cause wins is decided by
-:func:`~torchbearer_dist.runtime._decision.decide`, from facts: what was caught and where it was raised
-(:func:`is_collective_error`), never the message's words (a rank's own ``DataLoader timed out`` is its own).
+:func:`~torchbearer_dist.runtime._decision.decide`, from facts: what was caught and where it was raised,
+never the message's words (a rank's own ``DataLoader timed out`` is its own).
 """
 import json
-import os
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from torchbearer_dist.runtime import _peers, _verdict
 from torchbearer_dist.runtime._timing import Timing, poll
-from torchbearer_dist.runtime.errors import PeerFailedError
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
 _SHORT = timedelta(seconds=Timing.STORE_CALL)
@@ -66,41 +62,6 @@ def own_cause(rank, error):
 def describe(error):
     """One line for an exception, e.g. ``'ValueError: bad batch'``: its type and its message's first line."""
     return own_cause(0, error).line()[len('rank 0 failed: '):]
-
-
-_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
-
-
-def _raised_in_torch_distributed(error):
-    """Whether the innermost frame of ``error``'s traceback is torch.distributed's own code."""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED)
-
-
-def is_collective_error(error):
-    """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code.
-
-    Decided by facts about the exception, its type and where it was raised: torch raises
-    :class:`torch.distributed.DistError` (and its subclasses) from the store and from nccl, and gloo a
-    plain RuntimeError out of a torch.distributed call; a collective's ``Work`` waited outside
-    torch.distributed (``GradientBuckets``) re-raises gloo's as :class:`torch.distributed.DistBackendError`.
-    """
-    if isinstance(error, PeerFailedError):
-        return False
-    if isinstance(error, getattr(dist, 'DistError', ())):
-        return True
-    return type(error) is RuntimeError and _raised_in_torch_distributed(error)
-
-
-def _is_timeout(error, silence, limit):
-    """Whether a peer fell silent rather than left: torch said so by the error's type, or the heartbeat
-    saw a watched peer's beat unchanged for half the rendezvous timeout ``limit`` (``silence``, seconds, or
-    None without a heartbeat). A peer that left closed its connection within a beat of its last one."""
-    if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
-        return True
-    return silence is not None and silence > limit / 2
 
 
 def publish(store, cause):

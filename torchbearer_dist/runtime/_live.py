@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, _peers, rendezvous
+from torchbearer_dist.runtime import _decision, _diagnosis, _gloo_sockets, _peers, rendezvous
 from torchbearer_dist.runtime import env as env_module
 from torchbearer_dist.runtime._decision import COLLECTIVE, HEARTBEAT, INTERRUPT, LEAVE, RUN, Facts, classify, decide
 from torchbearer_dist.runtime._timing import Timing, poll
@@ -128,8 +128,9 @@ class LiveGroup:
         frozen = watchdog.frozen_cause() if watchdog and phase == RUN and kind == COLLECTIVE else None
         silence = max(watchdog.silences().values(), default=None) if watchdog is not None else None
         facts = Facts(env, phase, kind, own, getattr(error, 'rank', None), frozen=frozen, watching=watchdog
-                      is not None, timed_out=_diagnosis._is_timeout(error, silence, timing.limit),
+                      is not None, timed_out=_decision.timed_out(error, silence, timing.limit),
                       failed_at=time.monotonic())
+        stopped = False
         while True:  # the heartbeat runs meanwhile: its verdict, and which peer's beat stopped, are facts too
             facts = replace(facts, heartbeat=self.cause, now=time.monotonic(),
                             silences=watchdog.silences() if watchdog is not None else {})
@@ -137,15 +138,18 @@ class LiveGroup:
             if decision.read is not None:
                 facts = replace(facts, gathered=True, **self._gather(decision))
             elif decision.until is not None:
+                if decision.stop_peers and not stopped:  # once: their collectives fail, rank 0 decides too
+                    self.stop_peers()
+                    stopped = True
                 time.sleep(0.05)
             else:
                 break
-        if phase == RUN:
-            self.stop_watchdog()
         # at the join, the main thread's store connections may have been shut to wake gloo: the heartbeat's serves
         store = self.watchdog.store if phase != RUN and kind == COLLECTIVE and self.watchdog else self.store
         if decision.publish:
             _diagnosis.publish(store, decision.cause)
+        if phase == RUN:
+            self.stop_watchdog()
         if decision.stop_peers:
             self.stop_peers()
         if decision.readers:

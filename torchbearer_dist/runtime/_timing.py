@@ -34,6 +34,9 @@ class Timing:
         named: a connection closed in a job of three or more ranks names none: rank 0, which reads every
             rank's beat, names the one whose beat stopped; it was last seen at most a beat before the failure,
             so this long after the failure it has been unchanged for longer than ``guess``, as no live rank's is
+        told: the other ranks wait this long for rank 0's cause then: it names the rank ``named`` after its own
+            failure, or its heartbeat names it silent two beats and a quarter after the limit, whichever is first,
+            and their heartbeat reads it within a beat and a quarter: the limit and ``named``
         gloo_connect: gloo's connect waits for every peer this long: the limit (or the collective timeout)
         listener: the store client against a master port whose program accepts and never answers, which
             torch does not bound: 1.5 times the limit and 5 s
@@ -50,6 +53,7 @@ class Timing:
         self.heartbeat_call = min(5.0, limit / 2)
         self.guess = 2 * self.beat + 1.0
         self.named = self.guess + self.beat
+        self.told = limit + self.named
         self.gloo_connect = min(self.timeout, limit)
         self.listener = 1.5 * limit + 5.0
         self.last_rank = limit + 3.0
