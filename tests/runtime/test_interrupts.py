@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from torchbearer_dist.runtime._timing import Timing
+
 from _dist import cmdline, free_port, session
 from _faults import (
     LAUNCH_STOP_BOUND,
@@ -26,6 +28,12 @@ from _faults import (
 # --------------------------------------------------------------------------------------------------
 # 3. Interrupt and orphans.
 
+#: Seconds from the Ctrl-C to the other rank's error line: the watcher's grace for the main thread (the
+#: collective is failed after it, troubleshooting.rst), the cause then read at once, and a fixed second for a
+#: loaded machine: under the rendezvous timeout (5 s) that a wait for a silent peer would add.
+SAY_BOUND = Timing.INTERRUPT_GRACE + 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('interrupted', [0, 1])
 def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
@@ -39,6 +47,7 @@ def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_every_rank(interrupted):
         other = 1 - interrupted
         print('Ctrl-C on rank {}: rank {} said its error after {:.2f} s, all ended in {:.2f} s: {}'.format(
             interrupted, other, said.get(ranks[other], float('nan')), elapsed, [r[1] for r in results]))
+        assert said[ranks[other]] < SAY_BOUND, said
         assert elapsed < STOP_BOUND
         # The watcher makes the collective fail; the main thread then raises KeyboardInterrupt and
         # unwinds normally, so the script's own handler prints its line and exits 130.
