@@ -291,7 +291,9 @@ def launch_workers(fn, world_size=2, args=(), kwargs=None, timeout=PG_TIMEOUT, d
 
     The ranks fork from multiprocessing's forkserver, the server :func:`run_workers` uses too (torch
     imported once), unless ``start_method`` says otherwise; tests/runtime/test_launch.py runs launch's
-    behaviour under spawn too. launch's wall-clock ``deadline`` is stretched by the load (:func:`loaded`).
+    behaviour under spawn too. launch's wall-clock ``deadline`` is stretched by the load (:func:`loaded`): it
+    is only a backstop against a hang, never a test's bound; a fault test times the fault from the ranks' own
+    monotonic timestamps, with fixed headroom (e.g. tests/runtime/test_faults.py's ``LAUNCH_RAISE_BOUND``).
     """
     return torchbearer_dist.launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout,
                                    deadline=loaded(deadline), start_method=start_method, **launch_kwargs)
