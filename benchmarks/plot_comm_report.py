@@ -76,7 +76,7 @@ def plot(history, path):
     if counted:
         axes[1][0].bar(epochs, [e['comm_bytes'] / 1e6 for e in history], color='#9467bd')
         axes[1][0].set_ylabel('MB sent by each rank', fontsize=11)
-        axes[2][0].plot(epochs, [e['comm_mbit_s'] for e in history], 'o-', color='#2ca02c')
+        axes[2][0].plot(epochs, [e.get('comm_mbit_s', float('nan')) for e in history], 'o-', color='#2ca02c')
         axes[2][0].set_ylabel('link rate, Mbit/s', fontsize=11)
         axes[2][0].set_ylim(bottom=0)
     for row in axes:

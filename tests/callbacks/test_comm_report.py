@@ -214,6 +214,14 @@ def test_the_figures_are_a_function_of_every_rank_row():
     assert CommunicationReport.line(report, uncounted, 1, 3) == (
         'communication, epoch 2/3: communication not counted (no AllReduceGradients, nor a callback with traffic()), '
         '2.000 s training; slowest rank 0, 0.000 s of compute behind rank 0')
+    # DiLoCo: bytes and waits counted, the seconds in flight not known (its meetings travel while the ranks compute)
+    overlapped = [[9.0, 0.7, float('nan'), 1e6, 1.0, 10.0], [9.0, 0.2, float('nan'), 1e6, 1.0, 10.0]]
+    report = CommunicationReport.figures(overlapped)
+    assert COMM_RATE not in report and report[COMM_WAIT] == 0.2
+    assert CommunicationReport.line(report, overlapped, 0, 3) == (
+        'communication, epoch 1/3: each rank sent 1.00 MB (100.00 kB per step), waited 0.200 s of 9.000 s training '
+        '(2.2 %) on communication compute did not hide, link rate not known (sent while computing); slowest rank 1, '
+        '0.500 s of compute behind rank 0')
 
 
 def test_printed_must_be_none_or_a_bool():

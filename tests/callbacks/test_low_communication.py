@@ -144,7 +144,8 @@ def _nesterov_bn():
     model, callbacks = _trial('bn', dict(local_steps=3, **DiLoCo.PAPER),
                               optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9), extra=[history])
     return {'state': _snapshot(model), 'outer_steps': callbacks[-1].engine.steps,
-            'comm_bytes': [entry.get('comm_bytes') for entry in history.history]}
+            'comm_bytes': [entry.get('comm_bytes') for entry in history.history],
+            'rates': [entry.get('comm_mbit_s') for entry in history.history]}
 
 
 def _stop():
@@ -344,6 +345,7 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
              for e in range(EPOCHS)]
     meetings = [3, 4]  # steps 3, 6, 9; then 12, 15, 18 and the run's end, 20
     assert rank0['comm_bytes'] == rank1['comm_bytes'] == [m * per_outer_step + 8 * n for m, n in zip(meetings, flags)]
+    assert rank0['rates'] == [None] * EPOCHS  # no link rate: how long a meeting travelled while computing is not known
 
 
 def test_a_stop_on_one_rank_stops_every_rank_at_the_next_step_whatever_h(trained):

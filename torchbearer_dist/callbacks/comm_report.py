@@ -5,6 +5,7 @@ The counters live in the engines (:meth:`GradientBuckets.traffic
 ``time.perf_counter`` around each wait, nothing per step here but a count. At the end of each epoch
 the ranks share their figures in one all-reduce of ``world_size x 6`` numbers.
 """
+import math
 import time
 
 import torch
@@ -51,7 +52,7 @@ def _counter(callback):
     AllReduceGradients counts through its engine (``buckets``, None until its first training pass);
     any other callback that communicates may offer ``traffic()`` itself, returning
     ``(bytes_sent, wait_seconds, comm_seconds)`` totals, as :meth:`GradientBuckets.traffic
-    <torchbearer_dist.sync.buckets.GradientBuckets.traffic>` does.
+    <torchbearer_dist.sync.buckets.GradientBuckets.traffic>` does (``comm_seconds`` None: not known).
     """
     if isinstance(callback, AllReduceGradients):
         return callback.buckets
@@ -88,7 +89,7 @@ class CommunicationReport(Callback):
       peer (which is ``slowest_lag_s``) is not counted as the network's.
     - ``comm_mbit_s``: the link rate achieved: payload megabits over the seconds communication was in
       flight (from each step's first all-reduce to the end of its last wait), on the rank that
-      waited least.
+      waited least; absent where that time is not known (DiLoCo's meetings travel while the ranks compute).
     - ``train_s``: the seconds of the training pass (the longest over ranks), up to the end of every
       callback's ``on_end_training``: DiLoCo's last meeting, at the end of the run's last pass, is
       inside it, as its bytes and waits are inside the others.
@@ -186,7 +187,7 @@ class CommunicationReport(Callback):
                 old = (0, 0.0, 0.0)
             sent += totals[0] - old[0]
             waited += totals[1] - old[1]
-            flight += totals[2] - old[2]
+            flight += float('nan') if totals[2] is None else totals[2] - old[2]  # None: not known (DiLoCo)
         figures = self._figures + [waited, flight, float(sent), float(counted), float(self._steps)]
         self._figures = None
         device = collectives.comm_device(torch.device('cpu'))
@@ -217,8 +218,9 @@ class CommunicationReport(Callback):
             least = min(range(len(rows)), key=lambda r: rows[r][1])  # waited least: the network's own wait
             sent = int(max(row[3] for row in rows))
             flight = rows[least][2]
-            report.update({COMM_BYTES: sent, COMM_WAIT: rows[least][1],
-                           COMM_RATE: sent * 8 / flight / 1e6 if flight > 0 else 0.0})
+            report.update({COMM_BYTES: sent, COMM_WAIT: rows[least][1]})
+            if not math.isnan(flight):  # a time in flight that is not known gives no rate
+                report[COMM_RATE] = sent * 8 / flight / 1e6 if flight > 0 else 0.0
         return report
 
     @staticmethod
@@ -230,9 +232,11 @@ class CommunicationReport(Callback):
         if COMM_BYTES in report:
             sent = report[COMM_BYTES]
             comm = ('each rank sent {} ({} per step), waited {:.3f} s of {:.3f} s training ({:.1f} %) on communication '
-                    'compute did not hide, link {:.1f} Mbit/s').format(
+                    'compute did not hide, {}').format(
                 _size(sent), _size(sent / steps if steps else 0), report[COMM_WAIT], train,
-                100 * report[COMM_WAIT] / train if train > 0 else 0.0, report[COMM_RATE])
+                100 * report[COMM_WAIT] / train if train > 0 else 0.0,
+                'link {:.1f} Mbit/s'.format(report[COMM_RATE]) if COMM_RATE in report else
+                'link rate not known (sent while computing)')
         else:
             comm = ('communication not counted (no AllReduceGradients, nor a callback with traffic()), {:.3f} s '
                     'training').format(train)

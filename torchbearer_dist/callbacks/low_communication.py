@@ -166,12 +166,13 @@ class DiLoCo(Callback):
         """The outer steps' communication so far, for :class:`CommunicationReport`.
 
         Returns:
-            tuple: ``(bytes_sent, wait_seconds, comm_seconds)`` totals since construction (see
-            :meth:`OuterStep.traffic <torchbearer_dist.sync.diloco.OuterStep.traffic>`)
+            tuple: ``(bytes_sent, wait_seconds, None)``: totals since construction (see :meth:`OuterStep.traffic
+            <torchbearer_dist.sync.diloco.OuterStep.traffic>`); the seconds in flight are not known
         """
         flag = (self._flag.bytes_sent, self._flag.wait_seconds, self._flag.wait_seconds)
         engine = self.engine.traffic() if self.engine is not None else (0, 0.0, 0.0)
-        return tuple(a + b + c for a, b, c in zip(self._retired, engine, flag))
+        sent, waited, _ = (a + b + c for a, b, c in zip(self._retired, engine, flag))
+        return sent, waited, None  # how long a meeting was in flight while the ranks computed is not known
 
     def on_sample(self, state):
         self._stop_arrived, self._gathered = False, None
