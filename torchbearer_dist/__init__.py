@@ -15,6 +15,7 @@ from torchbearer_dist.callbacks.stop import AgreeOnStop
 from torchbearer_dist.checkpoint.callback import Checkpoint
 from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import check_same_data, distributed_loader, distributed_samplers
+from torchbearer_dist.ft import FaultTolerantAllReduce, Lighthouse
 from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted, quiet_peer_failures
 from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
@@ -43,7 +44,8 @@ def is_main_process():
 __all__ = ['AgreeOnStop', 'AllReduceGradients', 'BroadcastParameters', 'CheckReplicas', 'Checkpoint',
            'CommunicationReport',
            'DEFAULT_RENDEZVOUS_TIMEOUT', 'DEFAULT_TIMEOUT', 'DiLoCo', 'DistEnv', 'EXIT_PREEMPTED', 'EvenBatches',
-           'FlattenImages', 'LR_FACTOR', 'PeerFailedError', 'PowerSGD', 'Preempted', 'RankZeroOnly', 'RankZeroOutput',
+           'FaultTolerantAllReduce', 'FlattenImages', 'LR_FACTOR', 'Lighthouse',
+           'PeerFailedError', 'PowerSGD', 'Preempted', 'RankZeroOnly', 'RankZeroOutput',
            'ReduceMetrics', 'SKIPPED_STEPS', 'ScaleLearningRate', 'SetSamplerEpoch', 'SyncBatchNorm',
            'all_gather_rows', 'check_same_data', 'convert_sync_batchnorm', 'current_env', 'destroy_process_group',
            'distributed_callbacks', 'distributed_loader', 'distributed_samplers', 'gather_predictions', 'get_rank',

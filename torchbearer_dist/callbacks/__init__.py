@@ -69,7 +69,7 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
         fault_tolerant (str or bool): the fault-tolerant mode, on torchft (``pip install "torchbearer_dist[ft]"``):
             the lighthouse's ``'HOST:PORT'`` (True: ``$TORCHFT_LIGHTHOUSE``). Each process is then a replica
             that trains on among the live ones when others are lost and heals live when it (re)starts
-            (:class:`~torchbearer_dist.ft.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
+            (:class:`~torchbearer_dist.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
             ``replica_id``, ``min_replicas``, ``timeout``, ``host``); the list is then SetSamplerEpoch,
             optionally FlattenImages, and FaultTolerantAllReduce. None (the default): the fail-fast mode
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,

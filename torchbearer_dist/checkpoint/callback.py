@@ -35,7 +35,7 @@ class Checkpoint(Callback):
 
     The file is replaced atomically, so killing the job at any moment leaves the previous
     checkpoint loadable (in the fault-tolerant mode, on one live replica: see
-    :class:`~torchbearer_dist.ft.FaultTolerantAllReduce`). It holds the callbacks' and learning-rate
+    :class:`~torchbearer_dist.FaultTolerantAllReduce`). It holds the callbacks' and learning-rate
     schedulers' states too, and every
     rank's RNG states (torch, numpy, python; one gather per checkpoint). Resume with
     :func:`load_checkpoint` before ``trial.run``, on any world size: this callback then restores the

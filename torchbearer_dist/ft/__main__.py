@@ -3,4 +3,5 @@ import sys
 
 from torchbearer_dist.ft.lighthouse import main
 
-sys.exit(main())
+if __name__ == '__main__':  # importing the module (pkgutil, doctest) starts nothing
+    sys.exit(main())

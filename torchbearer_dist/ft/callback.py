@@ -129,6 +129,8 @@ class FaultTolerantAllReduce(Callback):
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
         self._samples = {'train': 0, 'val': 0}
         self._params = [p for _, p in _held.trainable(state)]
+        for handle in self._hooks:  # the last epoch's: the trainable set may have changed since
+            handle.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def on_sample(self, state):
