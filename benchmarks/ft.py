@@ -1,0 +1,341 @@
+"""The fault-tolerant mode (torchft) measured: per-step cost, stall per failure, heal time, accuracy under chaos.
+
+    python benchmarks/ft.py cost --model cnn --repeats 3   # ms per step: fail-fast mode against torchft's Manager
+    python benchmarks/ft.py faults --kills 3        # survivors' stall per kill -9, the replacement's heal time
+    python benchmarks/ft.py chaos --minutes 2       # the example under random kills against no kills
+
+Every process runs on this machine over loopback; a lighthouse runs in this process. Results (medians,
+the load average at the end) go to benchmarks/results/ft/. Never part of the tests.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+# torchft's Rust side logs every quorum at INFO; RUST_LOG=info shows it again.
+os.environ.setdefault('RUST_LOG', 'warn')
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # contenders.py, netns.py
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(HERE, 'results', 'ft')
+
+
+def _worker(args):
+    """One process of a measured job: ``--mode sync`` is a rank of the fail-fast mode, ``ft`` a torchft replica."""
+    import torch
+    import torchbearer
+    from contenders import MODELS
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torchbearer import Callback, Trial
+
+    import torchbearer_dist as tbd
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.replica)
+    build, shape = MODELS[args.model]
+    samples = args.steps * args.batch * args.replicas
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(samples, *shape, generator=generator),
+                            torch.randint(0, 10, (samples,), generator=generator))
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    class Clock(Callback):
+        def on_step_training(self, state):
+            print('T {:.4f} {} {}'.format(time.time(), state[torchbearer.EPOCH], state[torchbearer.BATCH]), flush=True)
+
+    def run(callbacks):
+        loader = DataLoader(dataset, batch_size=args.batch, sampler=DistributedSampler(
+            dataset, num_replicas=args.replicas, rank=args.replica, seed=0))
+        trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), callbacks=[Clock(), *callbacks])
+        trial.with_generators(loader).run(args.epochs, verbose=0)
+        print('DONE', os.getpid(), flush=True)
+
+    if args.mode == 'ft':
+        import torchft
+
+        def timed(name, method):  # the Manager's own rounds per step, timed in this process (benchmark only)
+            def wrapper(*a, **k):
+                started = time.perf_counter()
+                try:
+                    return method(*a, **k)
+                finally:
+                    print('{} {:.3f}'.format(name, 1000 * (time.perf_counter() - started)), flush=True)
+            return wrapper
+        torchft.Manager.start_quorum = timed('Q', torchft.Manager.start_quorum)
+        torchft.Manager.should_commit = timed('C', torchft.Manager.should_commit)
+        run(tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
+                                      timeout=args.timeout))
+    else:
+        with tbd.process_group(rank=args.replica, world_size=args.replicas, host='127.0.0.1', port=args.port,
+                               timeout=args.timeout):
+            run(tbd.distributed_callbacks(report=False))
+
+
+def _start(mode, replica, opts, lighthouse='', port=0, log=None):
+    command = [sys.executable, os.path.abspath(__file__), 'worker', '--mode', mode, '--replica', str(replica),
+               '--replicas', str(opts.replicas), '--model', opts.model, '--steps', str(opts.steps), '--batch',
+               str(opts.batch), '--epochs', str(opts.epochs), '--lighthouse', lighthouse, '--port', str(port)]
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT + os.pathsep + HERE)
+    return subprocess.Popen(command, stdout=log or subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)
+
+
+def _times(text):
+    return [float(line.split()[1]) for line in text.splitlines() if line.startswith('T ')]
+
+
+def _ms_per_step(times, skip):
+    """Median milliseconds between consecutive steps, the first ``skip`` steps (warm-up) left out."""
+    gaps = [b - a for a, b in zip(times[skip:], times[skip + 1:])]
+    return 1000 * statistics.median(gaps)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def _lighthouse():
+    from torchbearer_dist.ft import Lighthouse
+    return Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=60.0, heartbeat_timeout=2.0)
+
+
+def cost(opts):
+    """ms per step of the same job, alternately in the fail-fast mode and through torchft's Manager."""
+    rows = []
+    for repeat in range(opts.repeats):
+        for mode in ('sync', 'ft'):
+            with _lighthouse() as lighthouse:
+                port = _free_port()
+                procs = [_start(mode, r, opts, lighthouse.address, port) for r in range(opts.replicas)]
+                outs = [p.communicate(timeout=600)[0] for p in procs]
+            ms = statistics.median(_ms_per_step(_times(out), skip=5) for out in outs)
+            rows.append({'repeat': repeat, 'mode': mode, 'ms_per_step': round(ms, 2)})
+            for name, what in (('Q', 'quorum_ms'), ('C', 'commit_ms')):
+                values = [float(line.split()[1]) for out in outs for line in out.splitlines()[10:]
+                          if line.startswith(name + ' ')]
+                if values:
+                    rows[-1][what] = round(statistics.median(values), 3)
+            print(rows[-1], flush=True)
+    sync = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == 'sync')
+    ft = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == 'ft')
+    ratios = sorted(b['ms_per_step'] / a['ms_per_step'] for a, b in zip(rows[::2], rows[1::2]))
+    rounds = [r['quorum_ms'] + r['commit_ms'] for r in rows if 'quorum_ms' in r]
+    return {'rows': rows, 'sync_ms': sync, 'ft_ms': ft, 'ft_over_sync': round(ft / sync, 3),
+            'paired_ratio_median': round(statistics.median(ratios), 3),
+            'manager_rounds_ms_median': round(statistics.median(rounds), 3)}
+
+
+def faults(opts):
+    """kill -9 of one replica of three, ``kills`` times: the survivors' stall and the replacement's heal time."""
+    results, logs = [], []
+
+    def start(replica):
+        logs.append(os.path.join(OUT, 'faults_r{}_{}.log'.format(replica, len(logs))))
+        with open(logs[-1], 'w') as log:
+            return _start('ft', replica, opts, lighthouse.address, log=log), logs[-1]
+
+    def read(path):
+        with open(path) as f:
+            return f.read()
+
+    def stepping(path, steps=20, deadline=120):
+        end = time.time() + deadline
+        while len(_times(read(path))) < steps and time.time() < end:
+            time.sleep(0.2)
+
+    with _lighthouse() as lighthouse:
+        procs = {r: start(r) for r in range(opts.replicas)}
+        try:
+            for r in range(opts.replicas):
+                stepping(procs[r][1])
+            for kill in range(opts.kills):
+                time.sleep(opts.every)
+                victim = 1 + kill % (opts.replicas - 1)
+                os.kill(procs[victim][0].pid, signal.SIGKILL)
+                killed = time.time()
+                time.sleep(opts.down)
+                restarted = time.time()
+                procs[victim] = start(victim)
+                stepping(procs[victim][1], steps=1)
+                survivor, healed = _times(read(procs[0][1])), _times(read(procs[victim][1]))
+                before = [b - a for a, b in zip(survivor, survivor[1:]) if b < killed]
+                around = max(b - a for a, b in zip(survivor, survivor[1:]) if b >= killed)
+                typical = statistics.median(before[-20:])
+                joined = [b - a for a, b in zip(survivor, survivor[1:]) if healed and restarted <= a <= healed[0] + 1]
+                results.append({'kill': kill, 'stall_s': round(around - typical, 2),
+                                'join_pause_s': round(max(joined) - typical, 2) if joined else None,
+                                'replacement_first_step_s': round(healed[0] - restarted, 2) if healed else None,
+                                'typical_step_ms': round(1000 * typical, 1)})
+                print(results[-1], flush=True)
+        finally:
+            for p, _ in procs.values():
+                os.killpg(p.pid, signal.SIGKILL)
+    return {'kills': results, 'median_stall_s': statistics.median(r['stall_s'] for r in results),
+            'median_heal_s': statistics.median(r['replacement_first_step_s'] for r in results
+                                               if r['replacement_first_step_s'] is not None),
+            'median_join_pause_s': statistics.median(r['join_pause_s'] for r in results
+                                                     if r['join_pause_s'] is not None)}
+
+
+def _example(replica, opts, lighthouse, log, hosts=None):
+    command = [sys.executable, os.path.join(ROOT, 'examples', 'distributed_data_parallel.py'), '--fault-tolerant',
+               '--lighthouse', lighthouse, '--replica', str(replica), '--replicas', str(opts.replicas), '--epochs',
+               str(opts.epochs), '--threads', '1', '--save', os.path.join(OUT, 'chaos_model_{}.pt'.format(replica))]
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
+    if hosts is not None:  # replica i on host i; gloo on that host's link (its hostname resolves elsewhere)
+        env['GLOO_SOCKET_IFNAME'] = hosts.links[replica]
+        command = hosts.command(replica, command)
+    return subprocess.Popen(command, stdout=log, stderr=log, text=True, env=env,
+                            start_new_session=True, cwd=os.path.join(ROOT, 'examples'))
+
+
+def _last_val_acc(text):
+    found = re.findall(r'val_acc ([0-9.]+)', text)
+    return float(found[-1]) if found else None
+
+
+def _digest(path):
+    import hashlib
+
+    import torch
+    state = torch.load(path, weights_only=True)
+    return hashlib.sha256(b''.join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()[:16]
+
+
+class _Loopback:
+    """The lighthouse in this process, every replica on loopback."""
+
+    def __enter__(self):
+        self.lighthouse = _lighthouse()
+        return self
+
+    def __exit__(self, *exc):
+        self.lighthouse.shutdown()
+
+    address = property(lambda self: self.lighthouse.address)
+    hosts = None
+
+
+class _Namespaces:
+    """Replica i on network-namespace host i; the lighthouse on host 0 (benchmarks/netns.py)."""
+
+    def __init__(self, count):
+        from netns import Hosts
+        self.hosts = Hosts(count)
+
+    def __enter__(self):
+        self.hosts.__enter__()
+        self.address = '{}:29510'.format(self.hosts.address(0))
+        self.server = subprocess.Popen(self.hosts.command(0, [
+            sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2']),
+            env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True,
+            stdout=open(os.path.join(OUT, 'lighthouse.log'), 'w'), stderr=subprocess.STDOUT)
+        time.sleep(3)
+        return self
+
+    def __exit__(self, *exc):
+        os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
+        self.hosts.__exit__(*exc)
+
+
+def chaos(opts):
+    """The example in the fault-tolerant mode: unfaulted, then with a replica killed and restarted at random."""
+    runs = {}
+    for faulted in (False, True):
+        rng = random.Random(opts.seed)
+        for r in range(opts.replicas):
+            if os.path.exists(os.path.join(OUT, 'chaos_model_{}.pt'.format(r))):
+                os.remove(os.path.join(OUT, 'chaos_model_{}.pt'.format(r)))
+        with (_Namespaces(opts.replicas) if opts.netns else _Loopback()) as net:
+            names = {r: os.path.join(OUT, 'chaos_{}_r{}.log'.format('faulted' if faulted else 'clean', r))
+                     for r in range(opts.replicas)}
+            for name in names.values():
+                open(name, 'w').close()
+            logs = {r: open(names[r], 'a') for r in range(opts.replicas)}  # appended to by every restart
+            procs = {r: _example(r, opts, net.address, logs[r], net.hosts) for r in range(opts.replicas)}
+            survivor_pid, kills, end = procs[0].pid, 0, time.time() + 60 * opts.minutes
+
+            def early(path=logs[0].name):  # kills stop at half the epochs: the last replacement heals in time
+                with open(path) as f:
+                    return len(re.findall(r"^epoch \d+/", f.read(), re.M)) < 0.5 * opts.epochs
+
+            try:
+                while faulted and procs[0].poll() is None and time.time() < end and early():
+                    time.sleep(rng.uniform(opts.every / 2, opts.every * 1.5))
+                    victim = rng.randrange(1, opts.replicas)  # replica 0 is watched to the end
+                    if procs[victim].poll() is None:
+                        os.killpg(procs[victim].pid, signal.SIGKILL)
+                        kills += 1
+                        time.sleep(rng.uniform(0.5, 3))
+                    procs[victim] = _example(victim, opts, net.address, logs[victim], net.hosts)
+                procs[0].wait(timeout=1800)
+                for p in procs.values():
+                    p.wait(timeout=600)
+            finally:
+                for p in procs.values():
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            with open(names[0]) as f:
+                text = f.read()
+            digests = {r: _digest(os.path.join(OUT, 'chaos_model_{}.pt'.format(r))) for r in range(opts.replicas)
+                       if os.path.exists(os.path.join(OUT, 'chaos_model_{}.pt'.format(r)))}
+            runs['faulted' if faulted else 'clean'] = {
+                'val_acc': _last_val_acc(text), 'kills': kills, 'returncodes': [p.returncode for p in procs.values()],
+                'replica0_never_restarted': procs[0].pid == survivor_pid, 'final_weights': digests,
+                'bit_identical': len(set(digests.values())) == 1 and len(digests) == opts.replicas}
+            print(runs, flush=True)
+    runs['difference_points'] = round(100 * (runs['faulted']['val_acc'] - runs['clean']['val_acc']), 2)
+    return runs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('what', choices=('cost', 'faults', 'chaos', 'worker'))
+    add = parser.add_argument
+    add('--mode', type=str, default='ft')
+    add('--replica', type=int, default=0)
+    add('--replicas', type=int, default=None)
+    add('--model', type=str, default='cnn')
+    add('--steps', type=int, default=60, help='steps per epoch per replica')
+    add('--batch', type=int, default=32)
+    add('--epochs', type=int, default=None)
+    add('--lighthouse', type=str, default='')
+    add('--port', type=int, default=0)
+    add('--timeout', type=float, default=10.0)
+    add('--repeats', type=int, default=3)
+    add('--kills', type=int, default=3)
+    add('--every', type=float, default=6.0, help='seconds between kills')
+    add('--down', type=float, default=2.0, help='seconds a killed replica stays down (faults)')
+    add('--minutes', type=float, default=2.0)
+    add('--seed', type=int, default=0)
+    add('--netns', action='store_true', help='chaos: replica i on network-namespace host i (root)')
+    opts = parser.parse_args()
+    if opts.what == 'worker':
+        return _worker(opts)
+    opts.replicas = opts.replicas or (2 if opts.what == 'cost' else 3)
+    opts.epochs = opts.epochs or {'cost': 1, 'faults': 1000, 'chaos': 5}[opts.what]  # faults: runs until killed
+    os.makedirs(OUT, exist_ok=True)
+    started = time.time()
+    result = {'cost': cost, 'faults': faults, 'chaos': chaos}[opts.what](opts)
+    result.update(command=' '.join(['python', 'benchmarks/ft.py'] + sys.argv[1:]), seconds=round(time.time() - started),
+                  load_average=os.getloadavg())
+    with open(os.path.join(OUT, '{}.json'.format(opts.what)), 'w') as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == '__main__':
+    main()
