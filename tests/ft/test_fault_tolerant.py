@@ -4,6 +4,8 @@ Each replica runs tests/ft/_replica.py (a small Trial whose callbacks are
 ``distributed_callbacks(fault_tolerant=...)``) in its own session; every session is killed when its test
 ends, and the lighthouse (Rust threads of this process) is shut down, so nothing outlives a test.
 """
+import os
+import signal
 import time
 
 import pytest
@@ -106,3 +108,15 @@ def test_too_few_replicas_wait_then_say_why(tmp_path):
                     server.address)), replicas.describe()
         finally:
             replicas.kill_all()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_ends_that_replica_at_once_and_the_other_goes_on(replicas, signum):
+    started = [replicas.start(r, '--replicas', '2', '--epochs', '3', '--sleep', '0.05') for r in range(2)]
+    replicas.wait_for(lambda: min(replicas.steps(i) for i in started) >= 20, STARTUP + 60)
+    os.kill(replicas.process(started[1]).pid, signum)
+    assert replicas.process(started[1]).wait(5 + LOAD_SLACK) == -signum  # no thread of torchft keeps it alive
+    before = replicas.steps(started[0])
+    replicas.wait_for(lambda: replicas.steps(started[0]) >= before + 10, LOST_BOUND + LOAD_SLACK)
+    assert replicas.process(started[0]).poll() is None
