@@ -47,6 +47,7 @@ def main():
     parser.add_argument('--timeout', type=float, default=10.0)
     parser.add_argument('--gate', type=str, help='a file to wait for at the --gate-step-th step of this process')
     parser.add_argument('--gate-step', type=int, default=0)
+    parser.add_argument('--checkpoint', type=str, help="this replica's checkpoint file (Checkpoint, every epoch)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(100 + args.replica)  # different initial weights: the first step's init_sync aligns them
@@ -60,6 +61,8 @@ def main():
     callbacks = tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
                                           timeout=args.timeout)
     ft = callbacks[-1]
+    if args.checkpoint:
+        callbacks.append(tbd.Checkpoint(args.checkpoint))
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
                   callbacks=[Progress(args.sleep, args.gate, args.gate_step), *callbacks])
     trial.with_generators(loader)
