@@ -64,16 +64,21 @@ def held_modules(state):
     return found
 
 
-def held_optimizers(state):
-    """``(label, param_groups)`` of every distinct optimizer that the state holds, ``state[optimizer]`` first."""
+def optimizer_objects(state):
+    """``(label, optimizer)`` of every distinct optimizer that the state holds, ``state[optimizer]`` first."""
     found, seen = [], set()
     for key, value in _ordered_items(state):
         for label, item in _values(_label(key), value):
             groups = _param_groups(item)
             if groups is not None and id(groups) not in seen:
                 seen.add(id(groups))
-                found.append((label, groups))
+                found.append((label, item))
     return found
+
+
+def held_optimizers(state):
+    """``(label, param_groups)`` of every distinct optimizer that the state holds, ``state[optimizer]`` first."""
+    return [(label, _param_groups(item)) for label, item in optimizer_objects(state)]
 
 
 def parameter_names(modules):

@@ -9,7 +9,7 @@ about to train. Nothing here touches a file or a process group: torchft's Manage
 import torch
 import torchbearer
 
-from torchbearer_dist.callbacks import _held
+from torchbearer_dist.callbacks._held import held_modules, optimizer_objects
 from torchbearer_dist.checkpoint import files
 
 #: Marks a heal payload of this package, and its layout version.
@@ -18,14 +18,7 @@ FORMAT = 'torchbearer_dist.ft/1'
 
 def optimizers(state):
     """Every distinct optimizer object the Trial's state holds, ``state[OPTIMIZER]`` first (see ``_held``)."""
-    found, seen = [], set()
-    for key, value in _held._ordered_items(state):
-        for _, item in _held._values(str(key), value):
-            groups = _held._param_groups(item)
-            if groups is not None and callable(getattr(item, 'step', None)) and id(groups) not in seen:
-                seen.add(id(groups))
-                found.append(item)
-    return found
+    return [item for _, item in optimizer_objects(state) if callable(getattr(item, 'step', None))]
 
 
 def _layout(module_states):
@@ -44,7 +37,7 @@ def capture(state, position):
     Returns:
         dict: the payload :func:`restore` loads
     """
-    modules = {label: module.state_dict() for label, module in _held.held_modules(state)}
+    modules = {label: module.state_dict() for label, module in held_modules(state)}
     callbacks = state.get(torchbearer.CALLBACK_LIST)
     return {
         'format': FORMAT,
@@ -94,7 +87,7 @@ def restore(state, payload, source):
     if not isinstance(payload, dict) or payload.get('format') != FORMAT:
         raise RuntimeError('this replica cannot heal from {}: it sent no {} state (another package version?); start '
                            'every replica with the same torchbearer_dist'.format(source, FORMAT))
-    modules = dict(_held.held_modules(state))
+    modules = dict(held_modules(state))
     _check_same_model(_layout({label: m.state_dict() for label, m in modules.items()}), payload['layout'], source)
     mine = optimizers(state)
     if len(mine) != len(payload['optimizers']):

@@ -6,8 +6,8 @@ import torch
 import torchbearer
 from torchbearer import Callback
 
-from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks._batches import batch_size
+from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
@@ -128,7 +128,7 @@ class FaultTolerantAllReduce(Callback):
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
         self._samples = {'train': 0, 'val': 0}
-        self._params = [p for _, p in _held.trainable(state)]
+        self._params = [p for _, p in trainable(state)]
         for handle in self._hooks:  # the last epoch's: the trainable set may have changed since
             handle.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
