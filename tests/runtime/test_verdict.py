@@ -742,7 +742,7 @@ def test_a_peers_silence_is_read_from_the_heartbeats_memory_not_from_an_error():
         0.5, _verdict.Sample(0.1, 0.2, False, (3, 5))), limits)
     memory, _ = _verdict.judge(memory, _verdict.Observation(
         1.5, _verdict.Sample(1.1, 1.2, False, (4, 5 + _verdict.LEFT))), limits)
-    assert _verdict.silence(memory, 3.2) == pytest.approx(2.0)  # rank 1 changed at 1.2; rank 2 left
-    assert _verdict.silence(_verdict.start(0.0), 3.0) is None
+    assert _verdict.silences(memory, 3.2) == {1: pytest.approx(2.0)}  # rank 1 changed at 1.2; rank 2 left
+    assert _verdict.silences(_verdict.start(0.0), 3.0) == {}
     assert _decision.timed_out(RuntimeError('Timed out waiting'), None, 4.0) is False
     assert _decision.timed_out(RuntimeError('anything'), 2.5, 4.0) is True

@@ -1,14 +1,11 @@
 """Why a rank stops, decided once: which rank, which cause, and when; no clock, thread or socket.
 
-Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure
-(:mod:`._verdict` judges its samples; its verdict arrives here as a cause), the main thread when the
-handshake or gloo's connect failed (``JOIN``), when the program's block raised (``RUN``) or ended
-while a peer fell silent (``LEAVE``), the Ctrl-C watcher of :mod:`.interrupts` when the main thread did
-not take a Ctrl-C in time (``INTERRUPT``); :func:`first_failure` is the same question for
-:func:`~torchbearer_dist.launch`, over its ranks' reports. The live group
-(:mod:`torchbearer_dist.runtime._live`) gathers the :class:`Facts` and acts on the :class:`Decision`;
-the words of each cause are :mod:`._diagnosis`'s. Every wait of this machinery is
-:class:`~torchbearer_dist.runtime._timing.Timing`'s, derived from the user's two timeouts.
+Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure (its
+verdict arrives as a cause), the main thread when the handshake or gloo's connect failed (``JOIN``), when
+the program's block raised (``RUN``) or ended while a peer fell silent (``LEAVE``), and the Ctrl-C watcher
+when the main thread did not take a Ctrl-C in time (``INTERRUPT``). :func:`first_failure` is the same
+question for :func:`~torchbearer_dist.launch`. The live group (:mod:`._live`) gathers the :class:`Facts`
+and acts on the :class:`Decision`; the causes' words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s.
 """
 import os
 from dataclasses import dataclass, field
@@ -77,77 +74,43 @@ def timed_out(error, silence, limit):
     return silence is not None and silence > limit / 2
 
 
-
 @dataclass(frozen=True)
 class Facts:
-    """What a rank knows when it asks; gathered by the live group.
-
-    Attributes:
-        env (DistEnv): this process's place in the job
-        phase (str): :data:`HEARTBEAT`, :data:`JOIN`, :data:`RUN`, :data:`LEAVE` or :data:`INTERRUPT`
-        error (str): what the main thread caught (:func:`classify`), None at :data:`HEARTBEAT`, :data:`LEAVE`
-            or :data:`INTERRUPT`
-        own (Cause): the caught error as this rank's own cause
-        reported (int): the rank a :data:`REPORTED` error names
-        heartbeat (Cause): what the heartbeat found (the live group's ``cause``)
-        frozen (Cause): this rank's own pause longer than the limit, just ended
-        store_answers (bool): the heartbeat's last store round succeeded
-        watching (bool): the heartbeat runs, so it may still name the rank
-        silences (dict): ``{rank: seconds}`` each watched rank's beat has been seen unchanged, now
-        timed_out (bool): the collective timed out, or a watched peer was silent half the limit
-        gathered (bool): the store was asked (the facts below), as a :class:`Decision`'s ``read`` said
-        master (str): ``'ok'``, ``'refused'`` or ``'silent'``: the master's port, probed
-        published (Cause): the cause a rank published in the store
-        dead (tuple): local peer ranks seen gone while polling
-        store_failed (bool): the store stopped answering while polled
-        failed_at (float), now (float): when the error was caught, and now (one monotonic clock)
-    """
+    """What a rank knows when it asks; gathered by the live group. ``now`` and ``failed_at`` (when the error
+    was caught) are of one monotonic clock; the fields after ``gathered`` are set once the store was asked."""
     env: object
-    phase: str
-    error: str = None
-    own: object = None
-    reported: int = None
-    heartbeat: object = None
-    frozen: object = None
-    store_answers: bool = True
-    watching: bool = False
-    silences: dict = field(default_factory=dict)
-    timed_out: bool = False
-    gathered: bool = False
-    master: str = 'ok'
-    published: object = None
-    dead: tuple = ()
-    store_failed: bool = False
+    phase: str  # HEARTBEAT, JOIN, RUN, LEAVE or INTERRUPT
+    error: str = None  # what the main thread caught (classify); None at HEARTBEAT, LEAVE or INTERRUPT
+    own: object = None  # the caught error as this rank's own Cause
+    reported: int = None  # the rank a REPORTED error names
+    heartbeat: object = None  # the Cause the heartbeat found (the live group's ``cause``)
+    frozen: object = None  # this rank's own pause longer than the limit, just ended
+    store_answers: bool = True  # the heartbeat's last store round succeeded
+    watching: bool = False  # the heartbeat runs, so it may still name the rank
+    silences: dict = field(default_factory=dict)  # {rank: seconds} each watched beat has been seen unchanged
+    timed_out: bool = False  # the collective timed out, or a watched peer was silent half the limit
+    gathered: bool = False  # the store was asked, as a Decision's ``read`` said
+    master: str = 'ok'  # 'ok', 'refused' or 'silent': the master's port, probed
+    published: object = None  # the Cause a rank published in the store
+    dead: tuple = ()  # local peer ranks seen gone while polling
+    store_failed: bool = False  # the store stopped answering while polled
     failed_at: float = 0.0
     now: float = 0.0
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What happens.
-
-    Attributes:
-        cause (Cause): the root cause to report, or None (nothing to report)
-        own (bool): raise the caught error itself, not a PeerFailedError naming ``cause``
-        publish (bool): put ``cause`` in the store, where the others read it
-        readers (bool): on rank 0, wait (at most ``Timing.readers``) until the others have read it
-        skip (int): the rank that will not read it (it published it, died or fell silent)
-        stop_peers (bool): destroy the group now, so that the peers' collectives fail
-        wake (bool): wake this rank's main thread from its collective (or gloo's connect)
-        read (float): not yet decided: poll the store this long for a cause (and ask again)
-        deaths (bool): with ``read``, a local peer seen gone ends the poll
-        until (float): not yet decided: ask again until then, as the heartbeat may still name the rank
-    """
-    cause: object = None
-    own: bool = False
-    publish: bool = False
-    readers: bool = False
-    skip: int = None
-    stop_peers: bool = False
-    wake: bool = False
-    read: float = None
-    deaths: bool = True
-    until: float = None
+    """What happens; one with ``read`` or ``until`` set is not yet decided and asks for another call."""
+    cause: object = None  # the root Cause to report, or None (nothing to report)
+    own: bool = False  # raise the caught error itself, not a PeerFailedError naming ``cause``
+    publish: bool = False  # put ``cause`` in the store, where the others read it
+    readers: bool = False  # on rank 0, wait (Timing.READERS at most) until the others have read it
+    skip: int = None  # the rank that will not read it (it published it, died or fell silent)
+    stop_peers: bool = False  # destroy the group now, so that the peers' collectives fail
+    wake: bool = False  # wake this rank's main thread from its collective (or gloo's connect)
+    read: float = None  # poll the store this long for a cause, then ask again
+    deaths: bool = True  # with ``read``, a local peer seen gone ends the poll
+    until: float = None  # ask again until then, as the heartbeat may still name the rank
 
 
 def decide(facts, timing):

@@ -1,9 +1,7 @@
 """The causes of a rank's stop, in words, and how they travel: published once in the store, read by the others.
 
-gloo says "Connection closed by peer" or "Timed out waiting ...", never naming the rank or its error. A
-:class:`Cause` says which rank, what happened (``local``: its own error, ``peer``: it died or left,
-``network``: it fell silent) and the sentence every rank reports. Which cause wins is decided by
-:func:`~torchbearer_dist.runtime._decision.decide`, from facts: what was caught and where it was raised,
+gloo says "Connection closed by peer" or "Timed out waiting ...", never naming the rank or its error; a
+:class:`Cause` does. Which cause wins is :func:`~torchbearer_dist.runtime._decision.decide`'s, from facts,
 never the message's words (a rank's own ``DataLoader timed out`` is its own).
 """
 import json
@@ -19,21 +17,13 @@ _SHORT = timedelta(seconds=Timing.STORE_CALL)
 
 @dataclass(frozen=True)
 class Cause:
-    """The root cause of a failed job, as one rank saw it.
-
-    Attributes:
-        rank (int): the rank that failed (or fell silent)
-        kind (str): ``'local'``, ``'peer'`` or ``'network'``
-        exc_type (str): the exception type's name, ``''`` when the rank could not say
-        message (str): one line
-        guess (bool): only guessed from how a collective failed (a closed connection, a timeout), rather
-            than published by a rank, judged by the heartbeat, seen in the process table or told by a
-            refused connection
-    """
-    rank: int
-    kind: str
-    exc_type: str
-    message: str
+    """The root cause of a failed job, as one rank saw it."""
+    rank: int  # the rank that failed (or fell silent)
+    kind: str  # LOCAL (its own error), PEER (it died or left) or NETWORK (it fell silent)
+    exc_type: str  # the exception type's name, '' when the rank could not say
+    message: str  # one line
+    # only guessed from how a collective failed (a closed connection, a timeout), rather than published by a
+    # rank, judged by the heartbeat, seen in the process table or told by a refused connection
     guess: bool = False
 
     def line(self):
@@ -74,13 +64,10 @@ def publish(store, cause):
 
 
 def wait_until_read(store, world_size, seconds=Timing.READERS, skip=None):
-    """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank has
-    read the cause, so that they can report it before the store goes away with this process.
-
-    Each reader marks itself by its rank (:func:`read_cause`'s ``reader``), so that rank 0's own reads,
-    and a rank that reads twice (its heartbeat and its main thread), count for nobody else.
-    ``skip`` is the rank the cause names, which will not read it (it published it, died or fell silent).
-    """
+    """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank but ``skip`` (the
+    rank the cause names) has read the cause, so that they report it before the store goes with this process.
+    Each reader marks itself by its rank (:func:`read_cause`'s ``reader``): rank 0's own reads, and a rank that
+    reads twice (its heartbeat and its main thread), count for nobody else."""
     def read():
         gone = set(_peers.dead_local_ranks()) | {skip}
         keys = ['error_seen/{}'.format(r) for r in range(1, world_size) if r not in gone]

@@ -1,12 +1,8 @@
 """(private) The live process group: everything that lives as long as it, and how this rank stops.
 
-One :class:`LiveGroup`, made by :func:`~torchbearer_dist.runtime.group.init_process_group` and kept in
-``env._live``, owns the store, the listening socket, the heartbeat, gloo's connections and the cause the
-heartbeat found. When this rank stops, it gathers the facts (what the main thread caught, what the
-heartbeat found, what the store and the process table say), asks
-:func:`~torchbearer_dist.runtime._decision.decide` and acts on the answer (publish, stop the peers,
-wait for the readers, raise), in :meth:`LiveGroup.failed`, :meth:`LiveGroup._on_watchdog` and
-:meth:`LiveGroup.interrupted`.
+When this rank stops, :class:`LiveGroup` gathers the facts (what the main thread caught, what the heartbeat
+found, what the store and the process table say), asks :func:`~torchbearer_dist.runtime._decision.decide` and
+acts on the answer: publish, stop the peers, wait for the readers, raise.
 """
 import atexit
 import os
@@ -27,34 +23,25 @@ from torchbearer_dist.runtime.errors import PeerFailedError
 
 
 class LiveGroup:
-    """The one live process group of this process, and everything that lives as long as it.
-
-    Made by :func:`~torchbearer_dist.runtime.group.init_process_group` and ended by :meth:`end`; nothing else
-    holds live state. Its heartbeat's thread calls back into it (:meth:`_on_watchdog`), and the Ctrl-C watcher of
-    :mod:`~torchbearer_dist.runtime.interrupts` wakes it (:meth:`interrupt_collectives`).
-
-    Attributes:
-        env (DistEnv): this process's place in the job
-        timing (Timing): the job's waits, from its timeouts
-        store (torch.distributed.Store): the job's store, namespaced to this job
-        socket (socket.socket or None): rank 0's listening socket of the store
-        peers (dict): the ranks of this machine, ``{rank: (pid, start time)}`` (see :mod:`._peers`)
-        watchdog (Watchdog or None): the heartbeat, while it runs
-        cause (Cause or None): what the heartbeat found, or read from another rank
-        gloo (list or None): every rank's gloo listening address (see :mod:`._gloo_sockets`)
-        joining, connecting (bool): whether the ranks are meeting (handshake to connected), and gloo connecting
-        main_connections (list): the main thread's store connections, woken while joining
-        heartbeat_connections (list): the heartbeat's own store connections
-        stopped (list): stopped heartbeats whose threads may still be inside a store call
-        excepthooks (tuple or None): the program's ``sys.excepthook`` and the one
-            :func:`torch.distributed.init_process_group` put in its place (it prefixes ``[rankN]:``)
+    """The one live process group of this process, kept in ``env._live``: made by
+    :func:`~torchbearer_dist.runtime.group.init_process_group`, ended by :meth:`end`; nothing else holds live
+    state. Its heartbeat's thread calls back into it (:meth:`_on_watchdog`), the Ctrl-C watcher too
+    (:meth:`interrupted`).
     """
 
     def __init__(self, env, store, sock):
-        self.env, self.store, self.socket, self.timing = env, store, sock, Timing.of(env)
-        self.peers, self.watchdog, self.cause, self.gloo, self.joining, self.connecting = {}, None, None, None, 0, 0
-        self.main_connections, self.heartbeat_connections, self.stopped = [], [], []
-        self.excepthooks, self.ended = None, False
+        self.env, self.store, self.timing = env, store, Timing.of(env)
+        self.socket = sock  # rank 0's listening socket of the store
+        self.peers = {}  # the ranks of this machine, {rank: (pid, start time)} (see _peers)
+        self.watchdog = None  # the heartbeat, while it runs
+        self.cause = None  # what the heartbeat found, or read from another rank
+        self.gloo = None  # every rank's gloo listening address (see _gloo_sockets)
+        self.joining = self.connecting = False  # the ranks are meeting (handshake to connected); gloo connects
+        self.main_connections = []  # the main thread's store connections, woken while joining
+        self.heartbeat_connections = []  # the heartbeat's own
+        self.stopped = []  # stopped heartbeats whose threads may still be inside a store call
+        self.excepthooks = None  # the program's sys.excepthook, and torch's that prefixes [rankN]: in its place
+        self.ended = False
         atexit.register(self._at_exit)
 
     def start_watchdog(self, environ):

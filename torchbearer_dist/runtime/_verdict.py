@@ -1,28 +1,22 @@
 """The heartbeat's judgement: who failed, and how, from what was observed; no clock, thread or socket.
 
-:class:`~torchbearer_dist.runtime._watchdog.Watchdog` samples (the last store round that succeeded,
-when one last failed, which local peers are gone, the time) and applies; :func:`judge` decides. It is
-a fold: each wake-up of the watch thread is one :class:`Observation`, and what judging needs to
-remember between two wake-ups is a :class:`Memory`. Every time is a float of one monotonic clock, in
-seconds; a simulated clock serves as well (``tests/runtime/test_verdict.py`` tries thousands of
-schedules).
+:class:`~torchbearer_dist.runtime._watchdog.Watchdog` samples and applies; :func:`judge` decides, as a fold:
+each wake-up of the watch thread is one :class:`Observation`, what it must remember until the next a
+:class:`Memory`. Times are one monotonic clock's seconds, so a simulated clock serves as well
+(``tests/runtime/test_verdict.py`` tries thousands of schedules).
 
-The rules, each one learned from a healthy job once ended by the rule before it:
+The rules, each learned from a healthy job once ended by the rule before it:
 
-- A peer's silence is counted from the sample that saw its last beat change, to the *beginning* of
-  the round that read it unchanged: the beat surely came no earlier than the one, and the value was
-  read no earlier than the other, so a peer named silent for the limit was silent at least that long,
-  however slowly the store calls returned. (Counted from the sample before, a busy rank 0 beating a
-  little slower than it was sampled read as silent: 1 healthy job in 30 under load.)
-- A wake-up gap of this process of half the limit means it did not run (a loaded machine delays a
-  thread far less): what was read before is not judged, silences count from the first round begun
-  after it, and a gap longer than the limit is this rank's own pause, which then wins over any cause
-  it finds for the next limit, and over the silence of a peer that never beat again after it: its
-  peers took it for lost meanwhile, and left. A gap of a beat or two is not
-  a pause: resetting then let a loaded rank 0 never name a stopped peer.
-- A local peer gone while still beating, and not marked left in a round begun after it was seen
-  gone, died (killed, or crashed in native code); one whose beats had stopped more than half the
-  limit before it went gave up after being cut off, and is named for its silence.
+- A peer's silence counts from the sample that saw its beat change to the *beginning* of the round that
+  read it unchanged, so a peer named silent for the limit was, however slow the store calls. (Counted
+  from the sample before, a busy rank 0 beating a little slower than sampled read as silent: 1 job in 30.)
+- A wake-up gap of half the limit means this process did not run (load delays a thread far less): what
+  was read before is not judged, and a gap longer than the limit is this rank's own pause, which wins
+  over any cause it finds for the next limit and over a peer that never beat again after it (its peers
+  took it for lost, and left). A gap of a beat or two is not a pause: resetting then let a loaded rank 0
+  never name a stopped peer.
+- A local peer gone while still beating, and not marked left in a round begun after it was seen gone,
+  died; one whose beats stopped more than half the limit before it went gave up, and is named silent.
 - A rank other than 0 whose store rounds all failed or blocked for the limit names rank 0 (the store
   lives in its process); two failed rounds in a row right after its own long pause are that pause.
 - A cause published in the store by any rank wins over everything this rank would judge.
@@ -39,92 +33,51 @@ PUBLISHED, SILENT, DIED, MASTER_SILENT, FROZEN = 'published', 'silent', 'died', 
 
 @dataclass(frozen=True)
 class Limits:
-    """What judging needs to know of the job.
-
-    Attributes:
-        rank (int): this rank
-        watched (tuple): the ranks whose beats this rank reads (every other rank on rank 0, else rank 0)
-        limit (float): the rendezvous timeout, seconds: the longest silence that is not a failure
-    """
-    rank: int
-    watched: tuple
-    limit: float
+    """What judging needs to know of the job."""
+    rank: int  # this rank
+    watched: tuple  # the ranks whose beats it reads: every other rank on rank 0, else rank 0
+    limit: float  # the rendezvous timeout, seconds: the longest silence that is not a failure
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One store round of the heartbeat thread that succeeded.
-
-    Attributes:
-        began (float): when the round began (before its first call)
-        ended (float): when its last call returned
-        error (bool): whether a cause was published in the store
-        values (tuple): the watched ranks' heartbeat counters, in :attr:`Limits.watched` order; None
-            before the first round
-    """
-    began: float
-    ended: float
-    error: bool = False
-    values: tuple = None
+    """One store round of the heartbeat thread that succeeded."""
+    began: float  # before its first call
+    ended: float  # when its last call returned
+    error: bool = False  # a cause was published in the store
+    values: tuple = None  # the watched ranks' heartbeat counters, in Limits.watched order; None before a round
 
 
 @dataclass(frozen=True)
 class Observation:
-    """What the watch thread sees when it wakes.
-
-    Attributes:
-        now (float): when it woke
-        sample (Sample): the last store round that succeeded
-        failed (float): when a store round last failed (-inf: never)
-        failures (int): store rounds failed in a row since the last that succeeded
-        dead (frozenset): local peer ranks whose process is gone
-    """
+    """What the watch thread sees when it wakes."""
     now: float
-    sample: Sample
-    failed: float = float('-inf')
-    failures: int = 0
-    dead: frozenset = frozenset()
+    sample: Sample  # the last store round that succeeded
+    failed: float = float('-inf')  # when a store round last failed (-inf: never)
+    failures: int = 0  # store rounds failed in a row since the last that succeeded
+    dead: frozenset = frozenset()  # local peer ranks whose process is gone
 
 
 @dataclass(frozen=True)
 class Memory:
-    """What judging carries from one wake-up to the next; replaced, never changed.
-
-    Attributes:
-        awake (float): when the watch thread last woke
-        resumed (float): when it woke after its last gap of half the limit (or started)
-        frozen (tuple): ``(seconds, when)`` of its last gap longer than the limit, or None
-        judged (float): :attr:`Sample.ended` of the last sample judged
-        last (dict): rank to the counter value last seen
-        changed (dict): rank to :attr:`Sample.ended` of the sample that saw that value first
-        unchanged (frozenset): ranks whose counter has not changed since this watch first read it
-            (after it started, or after its last gap of half the limit)
-        dead (dict): rank to when its process was first seen gone
-    """
-    awake: float
-    resumed: float
-    frozen: tuple = None
-    judged: float = None
-    last: dict = field(default_factory=dict)
-    changed: dict = field(default_factory=dict)
-    unchanged: frozenset = frozenset()
-    dead: dict = field(default_factory=dict)
+    """What judging carries from one wake-up to the next; replaced, never changed."""
+    awake: float  # when the watch thread last woke
+    resumed: float  # when it woke after its last gap of half the limit (or started)
+    frozen: tuple = None  # (seconds, when) of its last gap longer than the limit
+    judged: float = None  # Sample.ended of the last sample judged
+    last: dict = field(default_factory=dict)  # rank: the counter value last seen
+    changed: dict = field(default_factory=dict)  # rank: Sample.ended of the sample that saw that value first
+    unchanged: frozenset = frozenset()  # ranks whose counter has not changed since first read (since `resumed`)
+    dead: dict = field(default_factory=dict)  # rank: when its process was first seen gone
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A failure found.
-
-    Attributes:
-        kind (str): :data:`PUBLISHED`, :data:`SILENT`, :data:`DIED`, :data:`MASTER_SILENT` or :data:`FROZEN`
-        rank (int): the rank at fault; -1 for :data:`PUBLISHED` (the store says)
-        seconds (float): how long it was silent, or this rank did not run (:data:`FROZEN`)
-        store_answers (bool): whether the store still answers, so that the cause can be published there
-    """
-    kind: str
-    rank: int
-    seconds: float
-    store_answers: bool
+    """A failure found."""
+    kind: str  # PUBLISHED, SILENT, DIED, MASTER_SILENT or FROZEN
+    rank: int  # the rank at fault; -1 for PUBLISHED (the store says)
+    seconds: float  # how long it was silent, or this rank did not run (FROZEN)
+    store_answers: bool  # so that the cause can be published there
 
 
 def start(now):
@@ -150,11 +103,6 @@ def silences(memory, now):
     """``{rank: seconds}`` since each watched peer's beat last changed, of the peers whose beat was read since
     the watch started or this rank's last gap (a peer marked left is not silent)."""
     return {rank: now - memory.changed[rank] for rank, value in memory.last.items() if int(value) < LEFT}
-
-
-def silence(memory, now):
-    """Seconds since the longest-silent watched peer's beat last changed, or None (see :func:`silences`)."""
-    return max(silences(memory, now).values(), default=None)
 
 
 def judge(memory, seen, limits):
@@ -193,7 +141,7 @@ def judge(memory, seen, limits):
     memory = replace(memory, judged=sample.ended, last=last, changed=changed)
     for rank, value in zip(limits.watched, sample.values):
         if int(value) >= LEFT:
-            last[rank] = value  # left: never silent (see silence)
+            last[rank] = value  # left: never silent (see silences)
             continue
         if rank in dead and sample.began > dead[rank] and dead[rank] - changed.get(rank, now) <= limit / 2:
             return memory, _blame(Verdict(DIED, rank, 0.0, rank != 0), own, limits)  # rank 0 held the store

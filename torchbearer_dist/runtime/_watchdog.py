@@ -1,12 +1,10 @@
 """Notice a dead or silent peer in seconds, whatever the collective timeout.
 
-A helper thread of each rank beats a counter in the job's store (:class:`~._timing.Timing`'s ``beat``) over
-its own connection, from before the handshake. Rank 0 watches every rank's counter once all have joined,
-the others rank 0's and the store itself. A counter unchanged for the rendezvous timeout, a store that
-stops answering or a cause published by any rank is judged by :func:`~._verdict.judge` and handed to the
-live group, which publishes it and wakes the main thread. A rank busy for minutes between collectives
-keeps beating, so the collective timeout can stay long, as torch's is; a rank that did not run for a
-while judges nobody by what it read before, and names its own pause when it outlasted the timeout.
+A helper thread of each rank beats a counter in the job's store over its own connection, from before the
+handshake. Rank 0 watches every rank's counter once all have joined, the others rank 0's and the store
+itself; :func:`~._verdict.judge` judges, and the live group publishes the cause and wakes the main thread.
+A rank busy for minutes between collectives keeps beating, so the collective timeout can stay long, as
+torch's is.
 """
 import threading
 import time
@@ -19,21 +17,19 @@ from torchbearer_dist.runtime._timing import Timing
 class Watchdog:
     """The heartbeat of one rank, and its watch over the others.
 
-    Two daemon threads: one makes the store calls (a call to a silent host can block past any
-    timeout), the other judges how long ago they last succeeded, so a blocked call is noticed too.
-    Both only sample and apply: the judgement is :func:`~torchbearer_dist.runtime._verdict.judge`.
+    Two daemon threads: one makes the store calls (a call to a silent host can block past any timeout), the
+    other judges how long ago they last succeeded, so a blocked call is noticed too. Both only sample and
+    apply: the judgement is :func:`~torchbearer_dist.runtime._verdict.judge`.
 
     Args:
         env (DistEnv): this process's place in the job
         store (torch.distributed.Store): a connection to the job's store for these threads alone
-        on_failure (callable): called once, from a thread, with the :class:`~_diagnosis.Cause` (None
-            when another rank's cause is already in the store) and whether the store still answers,
-            so that the cause can be published there
+        on_failure (callable): called once, from a thread, with the :class:`~_diagnosis.Cause` (None when
+            another rank's is in the store) and whether the store still answers, to publish it there
         interval (float): seconds between beats, at most; by default :class:`~._timing.Timing`'s ``beat``
-        dead_ranks (callable): the local peer ranks whose process is gone (the live group passes
-            :func:`torchbearer_dist.runtime._peers.dead_local_ranks` of its peers); by default none
-        peers (bool): watch the other ranks' beats from the start; False (from before the handshake, when
-            they may not beat yet) watches only that the store answers, until :meth:`watch_peers`
+        dead_ranks (callable): the local peer ranks whose process is gone; by default none
+        peers (bool): watch the other ranks' beats from the start; False (before the handshake, when they may
+            not beat yet) watches only that the store answers, until :meth:`watch_peers`
     """
 
     def __init__(self, env, store, on_failure, interval=None, dead_ranks=None, peers=True):
@@ -80,18 +76,13 @@ class Watchdog:
                 thread.join(seconds)
 
     def frozen_cause(self):
-        """The :class:`~_diagnosis.Cause` naming this rank when it has just been paused for longer than
-        the rendezvous timeout (its peers then took it for lost), else None.
-
-        Also right after the pause, before the watch thread has run again: its last wake-up is then
-        older than the limit.
-        """
+        """The :class:`~_diagnosis.Cause` naming this rank when it has just been paused for longer than the
+        rendezvous timeout (see :func:`~._verdict.paused`), else None."""
         seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
         return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limits.limit)
 
     def silences(self):
-        """``{rank: seconds}`` each watched peer's beat has been seen unchanged (see
-        :func:`~torchbearer_dist.runtime._verdict.silences`): how a collective failed, and which peer stopped."""
+        """``{rank: seconds}`` each watched peer's beat has been seen unchanged (:func:`~._verdict.silences`)."""
         return _verdict.silences(self._memory, time.monotonic())
 
     def watch_peers(self):

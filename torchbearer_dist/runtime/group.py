@@ -1,18 +1,12 @@
 """The process group's life: create it, run a block inside it, end a failure cleanly, tear it down.
 
 Everything that lives as long as a group belongs to one :class:`~torchbearer_dist.runtime._live.LiveGroup`,
-made by :func:`init_process_group`, ended by :func:`destroy_process_group` (or by the block of
-:func:`process_group`) and kept in ``env._live``, where :func:`~torchbearer_dist.runtime.env.current_env`
-reads it. Why a rank stopped is decided once, by :func:`~torchbearer_dist.runtime._decision.decide`, on the
-facts the live group gathers (:meth:`~torchbearer_dist.runtime._live.LiveGroup.failed`).
+kept in ``env._live``; why a rank stopped is decided once, by :func:`~torchbearer_dist.runtime._decision.decide`.
 
-A guest in the program: importing this module registers no exit handler, installs no signal handler
-and leaves ``sys.excepthook`` alone (Ctrl-C and pre-emption handling are opt-in, in
-:mod:`torchbearer_dist.runtime.interrupts`; the one-line form of an uncaught
-:class:`~torchbearer_dist.PeerFailedError` is :func:`~torchbearer_dist.quiet_peer_failures`). A live
-group registers one exit handler, which tears it down if the program left it up and never exits the
-process or changes its status; it is unregistered when the group ends. ``os.environ`` is left as it
-was found: the interface chosen for gloo is set only while the group is created.
+A guest in the program: importing this module installs no handler of any kind. A live group registers one
+exit handler, which tears it down if the program left it up and never exits the process or changes its
+status; it is unregistered when the group ends. ``os.environ`` is left as it was found: the interface
+chosen for gloo is set only while the group is created.
 """
 import os
 import sys
@@ -32,15 +26,10 @@ from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 def _import_torch_nn_first():
     """Import :mod:`torch.distributed.nn` while no process group exists, so that nothing holds one after it ends.
 
-    ``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` in its signatures when first
-    imported, and torch imports it with ``torch._dynamo`` when a process builds its first optimizer.
-    Imported while a group is up, its default arguments keep that group alive for the rest of the
-    process: ``destroy_process_group`` then leaves gloo's worker threads running into interpreter
-    finalization, where a worker that drops a finished collective aborts the process after training
-    ended ("terminate called without an active exception", exit -6; measured in a core file: the
-    worker, in ``ProcessGroupGloo::AsyncWork``'s destructor, asked for the GIL of a finalizing
-    interpreter). Imported before any group exists, the defaults are None and the group ends when it
-    is destroyed. Called once, at import: a group that is already up then is left as torch leaves it.
+    Its ``functional`` evaluates ``group=group.WORLD`` in its signatures when first imported (torch imports it
+    with ``torch._dynamo`` at a process's first optimizer). Imported while a group is up, those defaults keep
+    the group alive: gloo's worker threads then run into interpreter finalization, where one that drops a
+    finished collective aborts the process after training ended (exit -6, seen in a core file).
     """
     if 'torch.distributed.nn' not in sys.modules and not dist.is_initialized():
         import torch.distributed.nn  # noqa: F401
