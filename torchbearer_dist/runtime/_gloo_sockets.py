@@ -1,16 +1,14 @@
 """The fallback that wakes ranks blocked in a gloo collective: shut down gloo's own connections.
 
-No public torch call does this for gloo (``python benchmarks/peer_wakeup.py``, torch 2.14.1): a rank blocked in
-an all_reduce its peer never joins waits the whole timeout after the peer's ``abort()``, ``shutdown()``, or
-``destroy_process_group()`` where a Work object still holds the group, and neither call from a helper thread
-of the blocked rank wakes its main thread. So ``destroy_process_group`` comes first, and this module only where
-something still holds the group, and to wake this rank's own main thread when the heartbeat judged a failure.
+No public torch call does this for gloo (``python benchmarks/peer_wakeup.py``, torch 2.14.1): after a peer's
+``abort()``, ``shutdown()`` or ``destroy_process_group()`` (where a Work object still holds the group) a rank
+blocked in an all_reduce waits the whole timeout, and no call from a helper thread wakes its main thread.
 
 gloo's sockets are identified positively: gloo publishes each rank's listening address in the store
 (``<group>//cpu//0/<rank>``, see :func:`published`); a socket of this process is gloo's exactly when its local
-address is this rank's or its remote address another rank's. The store and anything else never match; on any
-mismatch, or off Linux, this does nothing. The layout is private to c10d and gloo: where it is not found,
-:func:`endpoints` warns once (:data:`LOST`), and ``tests/runtime/test_private_gloo.py`` fails on the pinned torch.
+address is this rank's or its remote address another rank's; on any mismatch, or off Linux, this does nothing.
+The layout is private to c10d and gloo: where it is not found, :func:`endpoints` warns once (:data:`LOST`), and
+``tests/runtime/test_private_gloo.py`` fails on the pinned torch.
 """
 import os
 import socket
@@ -50,8 +48,15 @@ def _sockets():
     """``[(fd, inode, local (ip, port), remote (ip, port) or None when listening)]`` for this process's TCP
     sockets, asked of each socket (``/proc/net/tcp`` can skip rows while other sockets come and go)."""
     found = []
-    for inode, fd in sorted(_own_sockets().items(), key=lambda item: item[1]):
+    try:
+        fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd'))
+    except OSError:
+        return found
+    for fd in fds:
         try:
+            target = os.readlink('/proc/self/fd/{}'.format(fd))
+            if not target.startswith('socket:['):
+                continue
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
@@ -59,32 +64,16 @@ def _sockets():
             if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                 continue
             local = _plain(sock.getsockname()[0]), sock.getsockname()[1]
+            inode = int(target[len('socket:['):-1])
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                found.append((fd, int(inode), local, None))
+                found.append((fd, inode, local, None))
             else:
                 remote = sock.getpeername()  # OSError when not connected: left out
-                found.append((fd, int(inode), local, (_plain(remote[0]), remote[1])))
+                found.append((fd, inode, local, (_plain(remote[0]), remote[1])))
         except OSError:
             continue
         finally:
             sock.close()
-    return found
-
-
-def _own_sockets():
-    """``{inode: fd}`` for the sockets this process has open."""
-    found = {}
-    try:
-        fds = os.listdir('/proc/self/fd')
-    except OSError:
-        return found
-    for fd in fds:
-        try:
-            target = os.readlink('/proc/self/fd/{}'.format(fd))
-        except OSError:
-            continue
-        if target.startswith('socket:['):
-            found[target[len('socket:['):-1]] = int(fd)
     return found
 
 
