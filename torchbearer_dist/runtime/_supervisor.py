@@ -50,19 +50,14 @@ def release_multiprocessing_objects():
     run(0)
 
 
-def stop(processes, grace):
-    for process in processes:
-        if process.is_alive():
-            # SIGKILL, not SIGTERM: a rank takes SIGTERM as a pre-emption (watch_preemption) and would go on
-            # to its next step boundary, which a rank blocked in a collective never reaches
-            process.kill()
-    deadline = time.monotonic() + grace
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+def stop(processes):
+    """SIGKILL every rank still running, and reap it. Not SIGTERM: a rank takes it as a pre-emption
+    (watch_preemption) and goes on to its next step boundary, which a rank blocked in a collective never reaches."""
     for process in processes:
         if process.is_alive():
             process.kill()
-            process.join()
+    for process in processes:
+        process.join()
 
 
 def error_for(rank, report, exitcode, tail):
@@ -219,7 +214,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
     rank = first_failure(states, [p.exitcode for p in processes], interrupts.EXIT_PREEMPTED)
     if rank is None:
         raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
-    stop(processes, grace)
+    stop(processes)
     if reports.get(rank) is None:
         stderr.drain()
     raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank))

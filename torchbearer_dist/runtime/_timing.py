@@ -6,37 +6,32 @@ import time
 class Timing:
     """The waits of a job whose rendezvous timeout is ``limit`` and collective timeout ``timeout`` (seconds).
 
-    Fixed waits are class attributes (they bound a local or one-round-trip action, not a peer):
+    Fixed waits, class attributes, bound a local or one-round-trip action, not a peer:
 
-    - ``STORE_CALL`` (2 s): a publish or read of a cause: the store is local to rank 0 or a round trip away
-    - ``CAUSE_WAIT`` (3 s): a failed collective polls this long for the peer's cause (the peer wakes,
-      unwinds and publishes within it); 1 s after a timeout, when the peer was silent for the timeout
-    - ``READERS`` (3 s): rank 0, whose process holds the store, waits this long at most for the others
-      to read the cause before the store ends with it
-    - ``CONNECT_GRACE`` (2 s): a main thread still inside gloo's connect this long after it was woken
-      is ended: nothing interrupts that native call
-    - ``LEAVE_CALL`` (1 s): marking this rank left, against a master that may be frozen
-    - ``PROBE`` (1 s): whether the master's port still accepts connections
-    - ``STOPPED_EARLY`` (3 s): launch() names a rank stopped by a signal that much sooner: it is frozen
-      for sure, no heartbeat need name it first
+    - ``STORE_CALL`` (2 s): a publish or read of a cause; ``PROBE`` (1 s): whether the master's port accepts;
+      ``LEAVE_CALL`` (1 s): marking this rank left, against a master that may be frozen
+    - ``CAUSE_WAIT`` (3 s): a failed collective polls this long for the peer's cause (the peer wakes, unwinds
+      and publishes within it); 1 s after a timeout, when the peer was silent for the timeout
+    - ``READERS`` (3 s): rank 0, whose process holds the store, waits at most this long for the others to read
+      the cause
+    - ``CONNECT_GRACE`` (2 s): a main thread still inside gloo's connect this long after it was woken is ended:
+      nothing interrupts that native call
+    - ``STOPPED_EARLY`` (3 s): launch() names a rank stopped by a signal that much sooner: it is surely frozen
     - ``INTERRUPT_GRACE`` (2 s): after Ctrl-C, the main thread's own handling gets this long, then its
       collective is failed, and this long again before a main thread stuck in native code is ended
     - ``KILL_GRACE`` (3 s): launch() waits this long after the first failure for the other ranks' reports
-      (the root cause may come second), and as long for stopped ranks to exit
+      (the root cause may come second)
 
     Attributes:
-        beat: between heartbeats: a second, four per ``limit`` where that is shorter (a beat late under
-            load is not yet a silence)
-        heartbeat_call: the heartbeat's store calls: half the limit, 5 s at most, so that a call blocked on
-            a silent master fails in time for the next round
-        guess: at the join, the heartbeat may still name the rank when gloo's words were only a guess:
-            two beats and a second; a live peer's beat is never seen unchanged for longer
-        named: a connection closed in a job of three or more ranks names none: rank 0, which reads every
-            rank's beat, names the one whose beat stopped; it was last seen at most a beat before the failure,
-            so this long after the failure it has been unchanged for longer than ``guess``, as no live rank's is
-        told: the other ranks wait this long for rank 0's cause then: it names the rank ``named`` after its own
-            failure, or its heartbeat names it silent two beats and a quarter after the limit, whichever is first,
-            and their heartbeat reads it within a beat and a quarter: the limit and ``named``
+        beat: between heartbeats: a second, or a quarter of the limit (a beat late under load is no silence)
+        heartbeat_call: the heartbeat's store calls: half the limit, 5 s at most, so that a call blocked on a
+            silent master fails in time for the next round
+        guess: at the join, the heartbeat may still name the rank when gloo's words were only a guess: two
+            beats and a second; a live peer's beat is never seen unchanged for longer
+        named: a closed connection in a job of three or more names no rank; rank 0 names the one whose beat
+            stopped: seen at most a beat before the failure, it is unchanged for ``guess`` this long after
+        told: the other ranks wait this long for rank 0's cause then: rank 0 names the rank ``named`` after
+            its failure or as silent two beats and a quarter after the limit, read within a beat and a quarter
         gloo_connect: gloo's connect waits for every peer this long: the limit (or the collective timeout)
         listener: the store client against a master port whose program accepts and never answers, which
             torch does not bound: 1.5 times the limit and 5 s

@@ -153,7 +153,7 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         backend (str): ``'gloo'`` (the default) or ``'nccl'``
         timeout (float): seconds each collective may take; 30 minutes by default, as torch's
         deadline (float): seconds after which every rank is killed and RuntimeError raised; none by default
-        grace (float): seconds ranks get to exit after SIGTERM before SIGKILL
+        grace (float): seconds to wait after the first failure for the other ranks' reports
         rendezvous_timeout (float): seconds for the ranks to meet, and for a silent peer to end the job
         start_method (str): ``'spawn'``, ``'fork'`` or ``'forkserver'``; by default ``'fork'`` for a function
             defined in an interactive session (a Jupyter cell), which a spawned rank cannot import, else
@@ -201,7 +201,7 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         finally:
             interrupts.training(False)
     finally:
-        _supervisor.stop(processes, grace)
+        _supervisor.stop(processes)
         stderr.drain()
 
 
