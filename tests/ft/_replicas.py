@@ -66,6 +66,25 @@ class Replicas:
             process.wait()
 
 
+def train_together(tmp_path, args, deadline):
+    """Replicas ``0 .. len(args) - 1``, replica ``r`` with the options ``args[r]``, all in every quorum from the
+    first step (a lighthouse of ``min_replicas=len(args)``) to the end of their runs, each ending with status 0.
+
+    Returns:
+        Replicas: the replicas, all ended, replica ``r`` at index ``r``
+    """
+    from torchbearer_dist.ft import Lighthouse
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=len(args), join_timeout=15.0, heartbeat_timeout=2.0) as server:
+        replicas = Replicas(tmp_path, server.address)
+        try:
+            started = [replicas.start(r, '--replicas', str(len(args)), *own) for r, own in enumerate(args)]
+            replicas.wait_for(lambda: all(replicas.done(i) for i in started), deadline)
+            assert all(replicas.process(i).wait(30) == 0 for i in started), replicas.describe()
+        finally:
+            replicas.kill_all()
+    return replicas
+
+
 def kill_one_and_heal(replicas, lost_bound):
     """Three replicas, 60 steps per epoch, 2 epochs; replica 1 killed with SIGKILL in its first epoch, then restarted.
 

@@ -14,7 +14,7 @@ from _dist import LOAD_SLACK, STARTUP
 
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
-from _replicas import Replicas, kill_one_and_heal  # noqa: E402
+from _replicas import Replicas, kill_one_and_heal, train_together  # noqa: E402
 
 from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
 
@@ -126,13 +126,7 @@ def test_ctrl_c_or_sigterm_ends_that_replica_at_once_and_the_other_goes_on(repli
 def test_checkpoints_are_written_by_one_live_replica(tmp_path):
     paths = [tmp_path / 'r{}.ckpt'.format(r) for r in range(2)]
     # min_replicas=2: both train every step together (with 1, the first to start could finish alone).
-    with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        replicas = Replicas(tmp_path, server.address)
-        try:
-            started = [replicas.start(r, '--replicas', '2', '--epochs', '2', '--samples', '400', '--checkpoint',
-                                      str(paths[r])) for r in range(2)]
-            replicas.wait_for(lambda: all(replicas.done(i) for i in started), STARTUP + 120)
-        finally:
-            replicas.kill_all()
-    assert replicas.done(started[0])[0] == replicas.done(started[1])[0], replicas.describe()
+    replicas = train_together(tmp_path, [('--epochs', '2', '--samples', '400', '--checkpoint', str(p)) for p in paths],
+                              STARTUP + 120)
+    assert replicas.done(0)[0] == replicas.done(1)[0], replicas.describe()
     assert sorted(p.exists() for p in paths) == [False, True], replicas.describe()
