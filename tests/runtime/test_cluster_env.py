@@ -134,10 +134,10 @@ def test_mpirun_on_one_host_keeps_loopback():
 def test_only_a_port_that_answers_is_blamed_on_another_program():
     import socket
 
+    from torchbearer_dist.runtime._peers import probe
     from torchbearer_dist.runtime.launcher import free_port
-    from torchbearer_dist.runtime.rendezvous import _something_listens
     with socket.socket() as listener:
         listener.bind(('127.0.0.1', 0))
         listener.listen(1)
-        assert _something_listens('127.0.0.1', listener.getsockname()[1])
-    assert not _something_listens('127.0.0.1', free_port())
+        assert probe('127.0.0.1', listener.getsockname()[1]) == 'ok'
+    assert probe('127.0.0.1', free_port()) == 'refused'

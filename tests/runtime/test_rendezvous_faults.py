@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from torchbearer_dist.runtime import rendezvous
 from torchbearer_dist.runtime._timing import Timing
 
 from _dist import CAUSE_WAIT, LOAD_SLACK, ROOT, STARTUP, TORCHRUN, child_env, free_port, run_command
@@ -50,14 +49,14 @@ def _listening(port):
     return sock
 
 
-def test_taken_port_names_the_port_and_its_holder():
+def test_taken_port_names_the_port():
     port = free_port()
     with _listening(port):
         started = time.monotonic()
-        with pytest.raises(RuntimeError, match=r'^port {} on 127\.0\.0\.1 is already in use \(held by pid {}: .*\); '
-                                               r'pass a free --port'.format(port, os.getpid())):
+        with pytest.raises(RuntimeError, match=r'^port {} on 127\.0\.0\.1 is already in use \(another job, or a '
+                                               r'stale process from an earlier run\); pass a free --port'.format(port)):
             _init(rank=0, world_size=2, port=port)
-        assert time.monotonic() - started < rendezvous._SCAN_SECONDS + LOAD_SLACK  # the scan for the holder is bounded
+        assert time.monotonic() - started < LOAD_SLACK  # at once: no network wait
     _assert_port_free(port)
 
 
@@ -117,11 +116,10 @@ def test_stale_job_on_the_port_is_refused_and_left_unharmed():
                                                r'\) at 127\.0\.0\.1:{}: give each process a distinct --rank, or stop '
                                                r'the stale job'.format(old[1].pid, port)):
             _init(rank=1, world_size=2, port=port, timeout=slow)
-        with pytest.raises(RuntimeError, match=r'^port {} on 127\.0\.0\.1 is already in use \(held by pid {}:'.format(
-                port, old[0].pid)):
+        with pytest.raises(RuntimeError, match=r'^port {} on 127\.0\.0\.1 is already in use '.format(port)):
             _init(rank=0, world_size=2, port=port, timeout=slow)
         # neither waited out its rendezvous timeout: both together end well within one
-        assert time.monotonic() - started < rendezvous._SCAN_SECONDS + 2 * LOAD_SLACK < slow
+        assert time.monotonic() - started < 2 * LOAD_SLACK < slow
         _, results = _wait_all(old, 90)
         outputs = [process.stdout.read() for process in old]
         for rank, ((rc, err), out) in enumerate(zip(results, outputs)):

@@ -1,8 +1,6 @@
 """Meeting the other processes: the rendezvous store and a handshake.
 
-The process group's life (init, teardown) is in :mod:`torchbearer_dist.runtime.group`, the route to the
-master (the interface gloo connects through) in :mod:`torchbearer_dist.runtime.network`. The store is
-created here rather than by :func:`torch.distributed.init_process_group` so that:
+The store is created here rather than by :func:`torch.distributed.init_process_group` so that:
 
 - rank 0 binds the socket itself, on the master address only (torch listens on every interface),
   and a taken port fails at once, naming the port;
@@ -21,47 +19,9 @@ import uuid
 
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _diagnosis, _peers, network
+from torchbearer_dist.runtime import _diagnosis, _peers
 from torchbearer_dist.runtime._timing import Timing, poll
 from torchbearer_dist.runtime.errors import PeerFailedError
-
-#: Bounds of the scan for the process holding a port: it only adds a detail to an error message.
-_SCAN_SECONDS, _SCAN_PIDS = 1.0, 4096
-
-
-def _port_holder(port):
-    """`` (held by pid N: command)`` for the process listening on TCP ``port`` here, or ``''``; scans at most
-    ``_SCAN_PIDS`` processes for ``_SCAN_SECONDS`` (the pid is read at once: it cannot have been reused)."""
-    inodes = set()
-    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == '0A' and int(fields[1].rsplit(':', 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add('socket:[{}]'.format(fields[9]))
-    if not inodes:
-        return ''
-    deadline = time.monotonic() + _SCAN_SECONDS
-    for count, pid in enumerate(filter(str.isdigit, os.listdir('/proc'))):
-        if count >= _SCAN_PIDS or time.monotonic() > deadline:
-            break
-        try:
-            fds = os.listdir('/proc/{}/fd'.format(pid))
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink('/proc/{}/fd/{}'.format(pid, fd)) in inodes:
-                    with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
-                        command = f.read().replace(b'\0', b' ').decode(errors='replace').strip()
-                    return ' (held by pid {}: {})'.format(pid, command[:80])
-            except OSError:
-                continue
-    return ''
 
 
 def _lookup(host, port, fix):
@@ -83,9 +43,8 @@ def _bind_master(host, port):
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise RuntimeError('port {} on {} is already in use{} (another job, or a stale process from an '
-                               'earlier run); pass a free --port or stop the process holding it'.format(
-                                   port, host, _port_holder(port))) from None
+            raise RuntimeError('port {} on {} is already in use (another job, or a stale process from an earlier '
+                               'run); pass a free --port or stop the process holding it'.format(port, host)) from None
         if e.errno == errno.EADDRNOTAVAIL:
             raise RuntimeError('{} is not an address of this machine, but rank 0 listens there; run rank 0 '
                                'on the --host machine, or pass that machine\'s own address'.format(host)) from None
@@ -137,16 +96,11 @@ def _connect(host, port, timeout):
         raise
     if 'store' in result:
         return result['store']
-    if not done.is_set() and _something_listens(host, port):
+    if not done.is_set() and _peers.probe(host, port) == 'ok':  # the proof needed to blame another program
         raise RuntimeError('the master at {}:{} accepted the connection but did not answer as a torch.distributed '
-                           'store within {:g} s: another program holds that port; check --host and --port{}'.format(
-                               host, port, seconds, _port_holder(port) if network.is_loopback(host) else ''))
+                           'store within {:g} s: another program holds that port; check --host and --port'.format(
+                               host, port, seconds))
     raise unreachable(str(result['error']).splitlines()[0] if done.is_set() else 'nothing listens there') from None
-
-
-def _something_listens(host, port):
-    """Whether a program accepts TCP connections on ``host:port`` now: the proof needed to blame one."""
-    return _peers.probe(host, port) == 'ok'
 
 
 def _namespace(environ):
