@@ -32,11 +32,7 @@ def address(port):
     answer = None
     if comm.Get_rank() == 0:
         host = _pick_address(everyone)
-        if port is None:
-            with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-        answer = (host, port)
+        answer = (host, network.free_port(host) if port is None else port)
     answer = comm.bcast(answer, root=0)
     _cache['address'] = answer
     return answer

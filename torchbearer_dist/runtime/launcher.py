@@ -1,10 +1,6 @@
-"""Start N ranks on this machine and watch them: the first failure stops the rest and is re-raised.
-
-Children die with their parent (``PR_SET_PDEATHSIG``; ranks of a forkserver, whose parent is the
-server, watch the launcher's pidfd), so a killed launcher never leaves a rank behind holding the
-port, and Ctrl-C stops every rank within a few seconds: the launcher owns its ranks' processes, so
-it turns on :func:`~torchbearer_dist.watch_interrupts` in each. How it watches them is
-:mod:`torchbearer_dist.runtime._supervisor`.
+"""Start N ranks on this machine and watch them (:mod:`._supervisor`): the first failure stops the rest and is
+re-raised. A killed launcher leaves no rank behind holding the port, and, as it owns its ranks' processes, it
+turns on :func:`~torchbearer_dist.watch_interrupts` in each, so that Ctrl-C stops every rank within seconds.
 """
 import ctypes
 import functools
@@ -12,7 +8,6 @@ import os
 import pickle
 import select
 import signal
-import socket
 import sys
 import threading
 import traceback
@@ -23,15 +18,9 @@ import torch
 from torchbearer_dist.runtime import _diagnosis, _supervisor, group, interrupts
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
+from torchbearer_dist.runtime.network import free_port
 
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port(host='127.0.0.1'):
-    """int: a TCP port that is free on ``host`` right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def die_with_parent(parent_pid):
@@ -45,8 +34,8 @@ def die_with_parent(parent_pid):
 
 
 def _die_with_launcher(launcher_pid):
-    """SIGKILL this process when process ``launcher_pid`` exits (a daemon thread waits on its pidfd; Linux >= 5.3),
-    or exit now: for a rank of the forkserver, which outlives the launcher, so ``PR_SET_PDEATHSIG`` never fires."""
+    """:func:`die_with_parent` for a rank of the forkserver, whose parent outlives the launcher: a daemon thread
+    waits on the launcher's pidfd (Linux >= 5.3)."""
     try:
         pidfd = os.pidfd_open(launcher_pid)
     except ProcessLookupError:
@@ -125,11 +114,10 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
            deadline=None, grace=Timing.KILL_GRACE, rendezvous_timeout=None, start_method=None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks, each inside an initialized process group.
 
-    The port is picked in the parent. When a rank fails, the others are stopped and that rank's
-    error is re-raised here with ``rank R failed:`` in front of its message and its traceback as the
-    cause. A rank that stops only because a peer failed is never mistaken for the root cause. A
-    rank still running once the others have ended, and using no CPU for the rendezvous timeout
-    (frozen by a signal, or stuck), is stopped and named; one that goes on working is left alone.
+    The port is picked in the parent. When a rank fails, the others are stopped and its error is re-raised
+    here, ``rank R failed:`` in front of its message and its traceback as the cause; a rank that stopped only
+    because a peer failed is never taken for the root cause. A rank left running alone that uses no CPU for
+    the rendezvous timeout (frozen, or stuck) is stopped and named; one that goes on working is left alone.
 
     Example:
 
@@ -157,11 +145,9 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         rendezvous_timeout (float): seconds for the ranks to meet, and for a silent peer to end the job
         start_method (str): ``'spawn'``, ``'fork'`` or ``'forkserver'``; by default ``'fork'`` for a function
             defined in an interactive session (a Jupyter cell), which a spawned rank cannot import, else
-            ``'spawn'``. ``'forkserver'`` forks each rank from a server process started once per program,
-            which imports torchbearer_dist, and so torch and torchbearer, once (``launch`` sets
-            ``multiprocessing.set_forkserver_preload`` to that before the server starts): for a program
-            that calls ``launch`` many times (a sweep, a test suite), each later launch starts its ranks
-            without importing torch afresh in each
+            ``'spawn'``. ``'forkserver'`` forks each rank from a server started once per program, which has
+            imported torchbearer_dist (and so torch) once: for a program that calls ``launch`` many times (a
+            sweep, a test suite), each later launch starts its ranks without importing torch afresh
 
     Returns:
         list: what ``fn`` returned on each rank, in rank order

@@ -1,10 +1,6 @@
-"""The route to the master: whether an address is this machine's loopback, which interface gloo uses,
-and the refusal of a job across machines told to meet at a loopback address.
-
-gloo connects its ranks through one network interface of each machine. Left to itself it takes the
-one its host name resolves to, often loopback, and a job across machines hangs or fails (pytorch issue
-42879): :mod:`~torchbearer_dist.runtime.group` sets ``GLOO_SOCKET_IFNAME`` from :func:`gloo_interface`
-while the group is created.
+"""The route to the master: whether an address is loopback, which interface gloo uses, and the refusal of a job
+across machines told to meet at a loopback address. Left to itself gloo takes the interface its host name
+resolves to, often loopback, and a job across machines hangs or fails (pytorch issue 42879).
 """
 import fcntl
 import socket
@@ -18,6 +14,13 @@ def is_loopback(host):
     except (socket.gaierror, UnicodeError):  # UnicodeError: a name idna cannot encode (a label over 63 chars)
         return False
     return all(info[4][0].startswith('127.') or info[4][0] == '::1' for info in infos)
+
+
+def free_port(host='127.0.0.1'):
+    """int: a TCP port that is free on ``host`` right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def route_source(host, port=29500):
