@@ -136,8 +136,9 @@ def store_connections(host, port):
             if remote is not None and remote[1] == port and remote[0] in addresses]
 
 
-def shut_down_connections(pairs):
-    """Shut down the sockets ``pairs`` (from :func:`connections` or :func:`store_connections`) still name."""
+def shut_down(pairs):
+    """Shut down the sockets ``pairs`` (from :func:`connections` or :func:`store_connections`) still name: every
+    call on them fails now."""
     for fd, inode in pairs:
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -151,8 +152,3 @@ def shut_down_connections(pairs):
             pass
         finally:
             sock.close()
-
-
-def shut_down(addresses, rank):
-    """Shut down this process's gloo :func:`connections`, so that every collective on them fails now."""
-    shut_down_connections(connections(addresses, rank))

@@ -82,7 +82,7 @@ class LiveGroup:
         if decision.wake:
             self.interrupt_collectives()
         if decision.wake and self.joining and self.main_connections:  # the handshake or gloo's connect: maybe in
-            _gloo_sockets.shut_down_connections(self.main_connections)  # a store call, which this ends
+            _gloo_sockets.shut_down(self.main_connections)  # a store call, which this ends
             self._end_a_stuck_connect()
 
     def interrupted(self):
@@ -95,16 +95,9 @@ class LiveGroup:
             self.interrupt_collectives()
 
     def failed(self, error, phase):
-        """This rank's main thread stops: gather the facts, ask :func:`decide`, act on its answer.
-
-        Args:
-            error (BaseException): what group creation (``JOIN``) or the program's block (``RUN``) raised;
-                None when the block ended well (``LEAVE``)
-            phase (str): ``JOIN``, ``RUN`` or ``LEAVE`` (see :mod:`._decision`)
-
-        Returns:
-            PeerFailedError or None: the error to raise, naming the rank at fault; None to raise ``error``
-        """
+        """This rank's main thread stops with ``error``, what group creation (``JOIN``) or the program's block
+        (``RUN``) raised, or None (``LEAVE``): gather the facts, ask :func:`decide`, act on its answer. Returns
+        the PeerFailedError to raise, naming the rank at fault, or None to raise ``error``."""
         env, watchdog, timing = self.env, self.watchdog, self.timing
         if phase == LEAVE:
             decision = decide(Facts(env, LEAVE, heartbeat=self.leave()), timing)
@@ -173,7 +166,7 @@ class LiveGroup:
     def interrupt_collectives(self):
         """Make this rank's pending and future collectives fail now, so that its main thread unwinds."""
         if self.env.backend == 'gloo':
-            _gloo_sockets.shut_down(self.gloo, self.env.rank)
+            _gloo_sockets.shut_down(_gloo_sockets.connections(self.gloo, self.env.rank))
         elif dist.is_initialized():
             try:
                 dist.group.WORLD.abort()  # nccl: aborts the communicators, as its own watchdog does
@@ -183,17 +176,17 @@ class LiveGroup:
     def stop_peers(self):
         """Make the peers' collectives fail now: destroy the group, and shut down gloo's connections where
         something still holds it (a pending all-reduce referenced from a traceback: see :mod:`._gloo_sockets`)."""
-        held = _gloo_sockets.connections(self.gloo, self.env.rank) if self.env.backend == 'gloo' else []
+        held = self.env.backend == 'gloo' and _gloo_sockets.connections(self.gloo, self.env.rank)
         destroy_torch_group()
-        if held and _gloo_sockets.connections(self.gloo, self.env.rank):
-            _gloo_sockets.shut_down(self.gloo, self.env.rank)
+        if held:  # those still open now
+            _gloo_sockets.shut_down(_gloo_sockets.connections(self.gloo, self.env.rank))
 
     def stop_watchdog(self):
         """Stop this rank's heartbeat now; one still inside a store call is joined at exit."""
         watchdog, self.watchdog = self.watchdog, None
         if watchdog is not None:
             watchdog.stop(wait=0)  # its store call to a frozen master would block this process's exit: fail it now
-            _gloo_sockets.shut_down_connections(self.heartbeat_connections)
+            _gloo_sockets.shut_down(self.heartbeat_connections)
             self.heartbeat_connections = []
             watchdog.stop()
             self.stopped = [w for w in self.stopped + [watchdog] if w.running()]
