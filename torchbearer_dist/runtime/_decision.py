@@ -51,13 +51,9 @@ def _raised_in_torch_distributed(error):
 
 
 def is_collective_error(error):
-    """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code.
-
-    Decided by facts about the exception, its type and where it was raised: torch raises
-    :class:`torch.distributed.DistError` (and its subclasses) from the store and from nccl, and gloo a
-    plain RuntimeError out of a torch.distributed call; a collective's ``Work`` waited outside
-    torch.distributed (``GradientBuckets``) re-raises gloo's as :class:`torch.distributed.DistBackendError`.
-    """
+    """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code, by its type
+    and where it was raised: torch raises a ``DistError`` from the store and nccl (and from a ``Work`` waited
+    outside torch.distributed), gloo a plain RuntimeError out of a torch.distributed call."""
     if isinstance(error, PeerFailedError):
         return False
     if isinstance(error, getattr(dist, 'DistError', ())):
@@ -114,15 +110,8 @@ class Decision:
 
 
 def decide(facts, timing):
-    """Which rank, which cause, and when: every rule of a rank's stop, in one place.
-
-    Args:
-        facts (Facts): what this rank knows
-        timing (Timing): the job's waits
-
-    Returns:
-        Decision: what to do; one with ``read`` or ``until`` set asks for another call with more facts
-    """
+    """Which rank, which cause, and when: every rule of a rank's stop, in one place: the :class:`Decision` for
+    the :class:`Facts`, with the job's :class:`~._timing.Timing`."""
     f, rank = facts, facts.env.rank
     if f.phase == HEARTBEAT:  # a cause found is published where the store answers; else another rank's is read
         if f.heartbeat is None and not f.gathered:
@@ -197,19 +186,10 @@ def _explain(f, timing):
 
 
 def first_failure(states, exitcodes, preempted_status):
-    """The rank :func:`~torchbearer_dist.launch` names, from what each rank reported.
-
-    Args:
-        states (list): per rank, ``'ok'``, ``'own'`` (it reported its own error), ``'peer'`` (it reported a
-            :class:`~torchbearer_dist.PeerFailedError`) or None (no report)
-        exitcodes (list): per rank, its exit status, or None while it runs
-        preempted_status (int): the status of a rank pre-empted after its checkpoint
-
-    Returns:
-        int or None: the root cause's rank: a rank's own error first, then a rank that died without a
-        word, then a peer failure, then any rank that did not finish; None when every rank that did not
-        finish was pre-empted (and one was)
-    """
+    """The rank :func:`~torchbearer_dist.launch` names: a rank's own error first, then a rank that died without a
+    word, then a peer failure, then any rank that did not finish; None when every rank that did not finish was
+    pre-empted (and one was). Per rank, ``states`` says what it reported (``'ok'``, ``'own'``, ``'peer'``: a
+    PeerFailedError, or None) and ``exitcodes`` its status (None while it runs)."""
     unfinished = [r for r, state in enumerate(states) if state != 'ok']
     died = [r for r in unfinished if exitcodes[r] not in (None, 0)]
     if died and all(exitcodes[r] == preempted_status for r in unfinished):

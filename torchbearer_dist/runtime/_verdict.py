@@ -86,12 +86,8 @@ def start(now):
 
 
 def paused(memory, now, limits):
-    """Seconds this rank did not run when that was longer than the limit and no more than a limit ago
-    (its peers then took it for lost), else None.
-
-    Also right after the pause, before the watch thread has woken again: its last wake-up is then
-    older than the limit.
-    """
+    """Seconds this rank did not run when that was longer than the limit and no more than a limit ago (its peers
+    then took it for lost), else None; also right after the pause, before the watch thread woke again."""
     if now - memory.awake > limits.limit:
         return now - memory.awake
     if memory.frozen is not None and now - memory.frozen[1] <= limits.limit:
@@ -106,17 +102,9 @@ def silences(memory, now):
 
 
 def judge(memory, seen, limits):
-    """Judge one wake-up of the watch thread.
-
-    Args:
-        memory (Memory): what the previous wake-up left (:func:`start` for the first)
-        seen (Observation): what this wake-up sees
-        limits (Limits): the job
-
-    Returns:
-        tuple: ``(memory, verdict)``: the :class:`Memory` for the next wake-up, and the
-        :class:`Verdict`, or None while nothing has failed
-    """
+    """Judge one wake-up of the watch thread: ``(memory, verdict)``, the :class:`Memory` for the next wake-up
+    (``memory`` is the last one's, :func:`start`'s for the first) and the :class:`Verdict`, None while nothing
+    has failed."""
     now, limit = seen.now, limits.limit
     last, changed, resumed, frozen = memory.last, memory.changed, memory.resumed, memory.frozen
     if now - memory.awake > limit / 2:  # this process did not run: judge nothing read before

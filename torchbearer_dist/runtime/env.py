@@ -1,8 +1,5 @@
-"""Who am I: rank, world size and master address from arguments or the environment.
-
-Everything here is validated locally, before any socket is opened, so a bad value fails in well
-under a second with a one-line :class:`ValueError` instead of a network timeout on some other
-machine.
+"""Who am I: rank, world size and master address from arguments or the environment, checked before any
+socket is opened, so that a bad value fails at once with one line, not a network timeout on another machine.
 """
 import os
 from dataclasses import dataclass, replace
@@ -149,11 +146,8 @@ _LOCAL_SIZES = {'openmpi': 'OMPI_COMM_WORLD_LOCAL_SIZE', 'pmi': 'MPI_LOCALNRANKS
 
 
 def _local_world_size(source, world_size, environ):
-    """Processes the launcher started on this machine, or None where it does not say.
-
-    torchrun is left out: it sets ``MASTER_ADDR`` itself, and several of its agents may share one
-    machine on purpose.
-    """
+    """Processes the launcher started on this machine, or None where it does not say (torchrun: it sets
+    ``MASTER_ADDR`` itself, and several of its agents may share one machine on purpose)."""
     if source in _LOCAL_SIZES:
         return _env_int(_LOCAL_SIZES[source], environ)
     if source == 'slurm':
@@ -277,9 +271,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     return env
 
 
-#: The live process group of this process (a ``_live.LiveGroup``), or None: the one reference to live
-#: state. Only :mod:`~torchbearer_dist.runtime.group` sets it; it lives here, below everything that
-#: reads it (:func:`current_env`, :mod:`._peers`, :mod:`.interrupts`), so that no import goes upward.
+#: The live process group of this process (a ``_live.LiveGroup``), or None: the one reference to live state,
+#: set by :mod:`.group`; here, below everything that reads it, so that no import goes upward.
 _live = None
 
 

@@ -57,11 +57,10 @@ TRACEBACK_VARIABLE = 'TORCHBEARER_DIST_TRACEBACK'
 def quiet_peer_failures(on=True):
     """Make an uncaught :class:`~torchbearer_dist.PeerFailedError` print its one line, not a traceback.
 
-    Opt-in, for a program that owns its process (a command line script): the library leaves
-    ``sys.excepthook`` alone otherwise. A :class:`PeerFailedError`'s traceback shows only where this
-    rank was when a peer failed (40 to 60 lines of torchbearer and torch); the line names the rank at
-    fault and its error. Every other exception, the program's own included, reaches the hook that
-    was there before untouched; ``TORCHBEARER_DIST_TRACEBACK=1`` shows the whole traceback.
+    Opt-in, for a program that owns its process (a command line script). Its traceback shows only where this
+    rank was when a peer failed (40 to 60 lines of torchbearer and torch); the line names the rank at fault
+    and its error. Every other exception reaches the hook that was there before untouched;
+    ``TORCHBEARER_DIST_TRACEBACK=1`` shows the whole traceback.
 
     Example: ::
 

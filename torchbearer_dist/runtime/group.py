@@ -177,11 +177,10 @@ def process_group(rank=None, world_size=None, host=None, port=None, backend=None
                   init_method=None, local_rank=None, rendezvous_timeout=None):
     """Run a block inside the job's process group, and always tear it down.
 
-    When the block raises, its cause is published to the other ranks through the store (this rank,
-    the exception type, and whether it was this rank's own error, a dead peer or the network), and
-    the group is torn down so that the others stop within seconds with one line naming this rank
-    and its error. When a peer failed first, the block's own error (a broken connection, a timeout)
-    is replaced by :class:`~torchbearer_dist.PeerFailedError` naming the root cause, e.g.
+    When the block raises, its cause is published to the other ranks through the store and the group is
+    torn down, so that the others stop within seconds with one line naming this rank and its error. When a
+    peer failed first, the block's own error (a broken connection, a timeout) is replaced by
+    :class:`~torchbearer_dist.PeerFailedError` naming the root cause, e.g.
     ``rank 1 failed: ValueError: bad batch (rank 0 stopped)``.
 
     Example:

@@ -1,11 +1,8 @@
 """Ctrl-C and pre-emption signals for programs that own their process: the launcher's ranks and the examples.
 
-Opt-in: nothing here runs unless :func:`watch_interrupts` or :func:`watch_preemption` is called, so
-library use leaves every signal handler and the wakeup fd alone (asyncio, Jupyter, submitit and
-Lightning keep theirs). A handler installed here calls the one it replaced, and the ``unwatch_``
-functions put it back. How a rank blocked in a gloo collective still takes Ctrl-C (a helper thread
-on the wakeup fd fails the collective after ``grace`` seconds, and ends the process with status 130
-after another ``grace`` if it is stuck in other native code): docs/troubleshooting.rst, "Ctrl-C".
+Opt-in (:func:`watch_interrupts`, :func:`watch_preemption`): library use leaves every signal handler and the
+wakeup fd alone. A handler installed here calls the one it replaced, and the ``unwatch_`` functions put it
+back. How a rank blocked in a gloo collective still takes Ctrl-C: docs/troubleshooting.rst, "Ctrl-C".
 """
 import os
 import signal
@@ -64,6 +61,8 @@ def watch_interrupts(grace=Timing.INTERRUPT_GRACE):
 
 
 def _wait_for_interrupt(read_fd, write_fd, grace):
+    # On the wakeup fd: a Ctrl-C the main thread did not handle within `grace` (blocked in a collective) fails
+    # this rank's collective, and one still not handled `grace` later (stuck in other native code) ends it.
     received = 0  # SIGINTs seen here: each is written before the main thread runs its handler, once
     while True:
         try:
@@ -128,14 +127,12 @@ def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=None):
     is on, such a signal only sets a flag while a Trial with a :class:`~torchbearer_dist.Checkpoint`
     callback trains: every rank agrees to stop at the next step boundary (through the stop agreement of
     :class:`~torchbearer_dist.AgreeOnStop`, no extra collective per step), global rank 0 writes a step
-    checkpoint, and ``trial.run`` raises :class:`Preempted` on every rank, which ends the process with
-    status :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once,
-    which ends the process as the default SIGTERM handler would, with status 75.
+    checkpoint, and ``trial.run`` raises :class:`Preempted` on every rank: the process ends with status
+    :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once.
 
-    Opt-in for library use; :func:`~torchbearer_dist.launch`'s ranks and the examples turn it on. The
-    handler calls the one it replaced first (when that is a function: not ``SIG_DFL`` or ``SIG_IGN``),
-    and :func:`unwatch_preemption` puts it back. Call it from the main thread of every rank (it does
-    nothing elsewhere, or twice).
+    Opt-in for library use (:func:`~torchbearer_dist.launch`'s ranks and the examples turn it on). The
+    handler calls the one it replaced first, where that is a function, and :func:`unwatch_preemption` puts
+    it back. Call it from the main thread of every rank (it does nothing elsewhere, or twice).
 
     Example: ::
 
