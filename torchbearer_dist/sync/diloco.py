@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from torchbearer_dist.sync import collectives
-from torchbearer_dist.sync.meeting import Meeting
+from torchbearer_dist.sync.meeting import DEFAULT, Meeting
 
 #: What a pseudo-gradient may travel in: None, each parameter's own dtype (an all-reduce); or an encoding of
 #: :mod:`~torchbearer_dist.sync.wire`, added in fp32.
@@ -128,6 +127,7 @@ class OuterStep:
                                      nesterov=nesterov and outer_momentum > 0) if self.anchor else None
         self.steps = 0
         self.meeting = None  # a meeting in flight (begin() without finish())
+        self.group = DEFAULT  # whom meetings go through (meeting.meet puts a torchft quorum's for its meeting)
         self.bytes_sent = 0  # payload handed to all-reduce and broadcast, for traffic()
         self.comm_seconds = 0.0
 
@@ -256,13 +256,13 @@ class OuterStep:
                 else:
                     p.copy_(a)
         self.steps += 1
-        if collectives.world_size() == 1:
+        if self.group.alone():
             return bool(meeting.stop)
         pairs = list(zip(self.buffers, self.buffer_anchor))
         offset = 0
         for b, anchor in [(b, a) for b, a in pairs if b.is_floating_point()]:
             n = b.numel()
-            mean = (buffer_mean[offset:offset + n] / collectives.world_size()).view_as(b)
+            mean = (buffer_mean[offset:offset + n] / self.group.size()).view_as(b)
             b.copy_(b + mean - meeting.buffers[offset:offset + n].view_as(b) if carry else mean)
             anchor.copy_(mean)
             offset += n
@@ -295,5 +295,3 @@ class OuterStep:
         if self.outer is not None and state['outer'] is not None:
             self.outer.load_state_dict(state['outer'])
         self.steps = state['steps']
-
-

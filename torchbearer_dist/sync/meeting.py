@@ -2,6 +2,8 @@
 
 Every collective is posted from the training thread, in the same order on every rank, so the ranks'
 collectives match without a second process group or thread of our own; gloo's threads carry them.
+They go through a *group*: :data:`DEFAULT` (the default process group), or a :class:`ManagerGroup`
+over the live replicas of torchft's Manager (the fault-tolerant mode's meetings, :func:`meet`).
 """
 import torch
 import torch.distributed as dist
@@ -22,12 +24,105 @@ class _Done:
         return self.values
 
 
+class DefaultGroup:
+    """A meeting's collectives over the default process group: ``size()`` ranks, each one's values summed."""
+
+    def size(self):
+        """The number the sums are divided by: every rank's values count."""
+        return collectives.world_size()
+
+    def alone(self):
+        """Whether no other process takes part (then nothing travels)."""
+        return collectives.world_size() == 1
+
+    def sum(self, tensor):
+        """Sum ``tensor`` over the group in place; returns the collective in flight (``.wait()``)."""
+        return dist.all_reduce(tensor, async_op=True)
+
+    def first(self, tensor):
+        """The first member's ``tensor``, in place on every member; returns the collective in flight."""
+        return dist.broadcast(tensor, 0, async_op=True)
+
+
+#: The fail-fast mode's group: the default process group.
+DEFAULT = DefaultGroup()
+
+
+class ManagerGroup:
+    """A meeting's collectives over the live replicas of a torchft ``Manager``'s quorum (fault-tolerant mode).
+
+    One all-reduce at construction tells every replica which of them trained since the last meeting:
+    a replica that just joined (healed at the quorum, so holding the anchor) takes part in every
+    collective with zeros and counts for nothing; the sums are divided by the replicas that trained,
+    and the first of them gives the integer buffers.
+
+    Args:
+        manager (torchft.Manager): after ``start_quorum()``
+        trained (bool): this replica trained since the last meeting
+    """
+
+    def __init__(self, manager, trained):
+        self.manager, self.trained = manager, trained
+        flags = torch.zeros(manager.num_participants(), dtype=torch.float64)
+        flags[manager.participating_rank()] = 1.0 if trained else 0.0
+        manager.allreduce(flags, reduce_op=dist.ReduceOp.SUM).wait()  # a failure leaves this replica's own
+        self.trainers = int(flags.sum().item())
+        self.head = int(flags.argmax().item()) == manager.participating_rank() and trained
+
+    def size(self):
+        return self.trainers
+
+    def alone(self):
+        return self.manager.num_participants() == 1
+
+    def sum(self, tensor):
+        if not self.trained:
+            tensor.zero_()
+        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+
+    def first(self, tensor):
+        if not self.head:
+            tensor.zero_()
+        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+
+
+def meet(manager, engine, trained):
+    """A blocking DiLoCo meeting over a torchft quorum already started: the outer step only if torchft commits it.
+
+    The pseudo-gradients are averaged in fp32 (the parameters' dtype) over the replicas that trained;
+    then ``manager.should_commit()`` decides: committed, the anchor steps and every parameter becomes
+    it; not (a replica lost during the meeting), the meeting is dropped: the anchor stays and every
+    parameter goes back to it, the round's local progress lost on every survivor, like a dropped step.
+
+    Args:
+        manager (torchft.Manager): after ``start_quorum()``
+        engine (OuterStep): with ``compression=None``, no meeting in flight
+        trained (bool): this replica trained since the last meeting (False: it just healed or started)
+
+    Returns:
+        bool: whether the meeting was committed
+
+    .. warning:: A synchronization point with the replicas of the quorum.
+    """
+    engine.group = ManagerGroup(manager, trained)
+    if engine.group.trainers > 0:
+        engine.begin()
+        engine.meeting.wait()
+    committed = manager.should_commit()
+    if committed and engine.meeting is not None:
+        engine.finish(carry=False)
+    elif not committed:
+        engine.restart(mid_round=True)
+    engine.group = DEFAULT
+    return committed
+
+
 class _Summed:
     """An fp32 (or the parameters' dtype) all-reduce in flight of values already divided by the world size."""
 
-    def __init__(self, values):
+    def __init__(self, values, group):
         self.values = values
-        self.work = dist.all_reduce(values, async_op=True)
+        self.work = group.sum(values)
         self.bytes = values.numel() * values.element_size()
 
     def advance(self):
@@ -55,7 +150,7 @@ class Meeting:
     """
 
     def __init__(self, engine, stop=False, restore=None):
-        world = collectives.world_size()
+        world, alone = engine.group.size(), engine.group.alone()
         shared, saved = restore if restore is not None else (None, None)
         saved = iter(saved or ())
         self.stop, self._results = stop, None
@@ -68,10 +163,10 @@ class Meeting:
             local = next(saved) if restore else torch.cat([(engine.anchor[i] - engine.params[i]).reshape(-1)
                                                           for i in indices])
             self.groups.append((dtype, indices, local))
-            if restore or world == 1:
+            if restore or alone:
                 self.means.append(_Done(shared['means'][k] if restore else local))
             elif engine.compression is None:
-                self.means.append(_Summed(local / world))
+                self.means.append(_Summed(local / world, engine.group))
             else:
                 self.means.append(wire.PendingMean(local.to(torch.float32), engine.compression))
             offset = 0
@@ -80,21 +175,21 @@ class Meeting:
                 offset += engine.anchor[i].numel()
         self.buffers = self.buffer_sum = None
         self.ranks_zero = []
-        if world > 1:
+        if not alone:
             floating = [b for b in engine.buffers if b.is_floating_point()]
             device = floating[0].device if floating else (engine.params[0].device if engine.params
                                                           else torch.device('cpu'))
             self.buffers = next(saved) if restore else torch.cat(
                 [b.reshape(-1).to(torch.float64) for b in floating] +
                 [torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)])
-            self.buffer_sum = _Done(shared['buffer_sum']) if restore else _Summed(self.buffers.clone())
+            self.buffer_sum = _Done(shared['buffer_sum']) if restore else _Summed(self.buffers.clone(), engine.group)
             others = [b for b in engine.buffers if not b.is_floating_point()]
             for k, b in enumerate(others):
                 if restore:
                     self.ranks_zero.append((next(saved), shared['zeros'][k], None))
                 else:
                     zero = b.detach().clone()
-                    self.ranks_zero.append((b.detach().clone(), zero, dist.broadcast(zero, 0, async_op=True)))
+                    self.ranks_zero.append((b.detach().clone(), zero, engine.group.first(zero)))
         if not restore:
             engine.bytes_sent += sum(m.bytes for m in self.means) + sum(
                 z.numel() * z.element_size() for _, z, _ in self.ranks_zero) + (
