@@ -93,6 +93,7 @@ def main():
     parser.add_argument('--checkpoint', type=str, help="this replica's checkpoint file (Checkpoint, every epoch)")
     parser.add_argument('--min-replicas', type=int, default=1)
     parser.add_argument('--record', type=str, help="save what the user's callbacks saw here (torch.save)")
+    parser.add_argument('--local-steps', type=int, help="DiLoCo's H: meetings through torchft every H steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = dataset(args.samples)
@@ -102,8 +103,9 @@ def main():
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     callbacks = tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
-                                          timeout=args.timeout, min_replicas=args.min_replicas)
-    ft = callbacks[-1]
+                                          timeout=args.timeout, min_replicas=args.min_replicas,
+                                          local_steps=args.local_steps)
+    ft = next(c for c in callbacks if isinstance(c, tbd.FaultTolerantAllReduce))
     if args.checkpoint:
         callbacks.append(tbd.Checkpoint(args.checkpoint))
     before, after = (ClipGradients(0.25), Record()) if args.record else (Callback(), Callback())
@@ -113,8 +115,11 @@ def main():
     print('READY', flush=True)
     history = trial.run(args.epochs, verbose=0)
     if args.record:
+        diloco = next((c for c in callbacks if isinstance(c, tbd.DiLoCo)), None)
         torch.save({'initial': initial, 'start': after.start, 'final': net.state_dict(), 'losses': after.losses,
-                    'clipped': before.norms, 'norms': after.norms, 'history': history}, args.record)
+                    'clipped': before.norms, 'norms': after.norms, 'history': history,
+                    'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps},
+                   args.record)
     digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
     print('DONE', digest, ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)
 

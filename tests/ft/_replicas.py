@@ -85,16 +85,17 @@ def train_together(tmp_path, args, deadline):
     return replicas
 
 
-def kill_one_and_heal(replicas, lost_bound):
+def kill_one_and_heal(replicas, lost_bound, *extra):
     """Three replicas, 60 steps per epoch, 2 epochs; replica 1 killed with SIGKILL in its first epoch, then restarted.
 
-    Asserts that the survivors go on within ``lost_bound`` seconds without restarting, and that the restarted
-    one heals and ends with the survivors' weights, bit for bit, and their metrics.
+    ``extra``: more options of every replica. Asserts that the survivors go on within ``lost_bound`` seconds
+    without restarting, and that the restarted one heals and ends with the survivors' weights, bit for bit,
+    and their metrics.
 
     Returns:
         float: seconds from the kill until both survivors had trained 3 more steps
     """
-    args = ('--epochs', '2', '--sleep', '0.05')
+    args = ('--epochs', '2', '--sleep', '0.05', *extra)
     gate = str(replicas.tmp_path / 'gate')  # the survivors hold at their 40th step until the replacement is up
     first = [replicas.start(r, *args, '--gate', gate, '--gate-step', '40') for r in range(3)]
     replicas.wait_for(lambda: replicas.steps(first[1]) >= 20, STARTUP + 60)

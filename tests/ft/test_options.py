@@ -15,7 +15,12 @@ from _dist import STARTUP, child_env, python
     (dict(fault_tolerant='h:1', timeout=-1), r'timeout should be a positive number of seconds, but given -1'),
     (dict(fault_tolerant='h:1', replica_id='a:b'), r"replica_id should be a non-empty string without \":\", but "
                                                    r"given 'a:b'"),
-    (dict(fault_tolerant='h:1', local_steps=8), r'local_steps=8 does not combine with fault_tolerant yet'),
+    (dict(fault_tolerant='h:1', local_steps=8, compression='int8'),
+     r"fault_tolerant meetings block and travel in fp32: leave out compression and overlap_steps \(or pass None and "
+     r"0\), not compression='int8', overlap_steps=None"),
+    (dict(fault_tolerant='h:1', local_steps=8, overlap_steps=2), r'not compression=None, overlap_steps=2'),
+    (dict(local_steps=8, meetings=object()), r"meetings through torchft block and travel in fp32: pass "
+                                             r"compression=None and overlap_steps=0, not 'int8' and None"),
     (dict(fault_tolerant='h:1', ddp=True), r'ddp=True does not combine with fault_tolerant yet'),
 ])
 def test_bad_options_name_the_value(kwargs, message):
@@ -31,6 +36,17 @@ def test_fault_tolerant_true_reads_the_environment(monkeypatch):
     callbacks = tbd.distributed_callbacks(fault_tolerant=True, flatten_images=True)
     assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FlattenImages', 'FaultTolerantAllReduce']
     assert callbacks[-1].lighthouse == 'http://lighthouse.example:29510'
+
+
+def test_local_steps_put_diloco_after_the_replica_its_meetings_go_through():
+    callbacks = tbd.distributed_callbacks(fault_tolerant='h:1', local_steps=8, outer_lr=0.7, timeout=5,
+                                          compression=None)
+    assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FaultTolerantAllReduce', 'DiLoCo']
+    replica, diloco = callbacks[1:]
+    assert diloco.meetings is replica and not replica.every_step and replica.timeout == 5
+    assert (diloco.local_steps, diloco.overlap_steps, diloco.options['compression']) == (8, 0, None)
+    assert diloco.options['outer_lr'] == 0.7
+    assert tbd.distributed_callbacks(fault_tolerant='h:1')[-1].every_step
 
 
 def test_the_fail_fast_mode_stays_the_default():

@@ -24,6 +24,10 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
            'SetSamplerEpoch', 'distributed_callbacks']
 
 
+#: The options of :class:`~torchbearer_dist.FaultTolerantAllReduce` in ``distributed_callbacks(**options)``.
+_FT_OPTIONS = ('replica_id', 'min_replicas', 'timeout', 'host')
+
+
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
                           loss_reduction='auto', check_data=True, check_order='raise', local_steps=None, report=True,
                           metric_reduction=None, fault_tolerant=None, **all_reduce):
@@ -103,13 +107,22 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
 
 def _fault_tolerant(lighthouse, flatten_images, ddp, local_steps, check_order, loss_reduction, options):
     """The fault-tolerant set: each process a torchft replica (the mode lives in :mod:`torchbearer_dist.ft`)."""
-    for name, value in (('ddp', ddp), ('local_steps', local_steps)):
-        if value not in (None, False):
-            raise ValueError('{}={!r} does not combine with fault_tolerant yet: the fault-tolerant mode averages '
-                             'gradients at every step through torchft; pass one of them'.format(name, value))
+    if ddp not in (None, False):
+        raise ValueError('ddp={!r} does not combine with fault_tolerant yet: the fault-tolerant mode averages '
+                         'gradients through torchft; pass one of them'.format(ddp))
     from torchbearer_dist.ft.callback import FaultTolerantAllReduce  # torchft is an optional extra
+    diloco = {k: options.pop(k) for k in sorted(options) if k not in _FT_OPTIONS} if local_steps is not None else {}
+    if diloco.get('compression') is not None or diloco.get('overlap_steps'):
+        raise ValueError('fault_tolerant meetings block and travel in fp32: leave out compression and overlap_steps '
+                         '(or pass None and 0), not compression={!r}, overlap_steps={!r}'.format(
+                             diloco.get('compression'), diloco.get('overlap_steps')))
     callbacks = [SetSamplerEpoch(check_data=False, check_order=check_order)]
     if flatten_images:
         callbacks.append(FlattenImages())
-    callbacks.append(FaultTolerantAllReduce(lighthouse, loss_reduction=loss_reduction, **options))
+    replica = FaultTolerantAllReduce(lighthouse, loss_reduction=loss_reduction, every_step=local_steps is None,
+                                     **options)
+    callbacks.append(replica)
+    if local_steps is not None:
+        diloco.update(compression=None, overlap_steps=0)
+        callbacks.append(DiLoCo(local_steps=local_steps, meetings=replica, **diloco))
     return callbacks

@@ -78,12 +78,12 @@ class DiLoCo(Callback):
             its progress since (the anchors are compared, bit for bit); 0: each meeting blocks; below
             ``local_steps``; None (the default): 2, or ``local_steps - 1`` when that is less. The
             run's last meeting blocks.
+        meetings (FaultTolerantAllReduce): the fault-tolerant mode's, whom meetings go through (:doc:`/fault_tolerance`)
 
     Raises:
-        ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``,
-            ``overlap_steps`` not in ``[0, local_steps)``); at
-            the start of a run, a DistributedDataParallel model, an optimizer without step hooks, or a
-            parameter that is not dense real floating (named)
+        ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``, ``overlap_steps``
+            not in ``[0, local_steps)``, either with ``meetings``); at the start of a run, a DistributedDataParallel
+            model, an optimizer without step hooks, or a parameter that is not dense real floating (named)
         RuntimeError: the divergence sentinel found a tensor that differs across ranks after an outer step
 
     State Requirements:
@@ -98,26 +98,25 @@ class DiLoCo(Callback):
     PAPER = PAPER  #: The paper's outer optimizer, for ``DiLoCo(local_steps=H, **DiLoCo.PAPER)``: gain 7.
 
     def __init__(self, local_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=True, compression='int8',
-                 check_divergence=True, overlap_steps=None):
+                 check_divergence=True, overlap_steps=None, meetings=None):
         super().__init__()
         self.overlap_steps = check_rounds(local_steps, overlap_steps, OVERLAP_STEPS, check_divergence)
         check_options(outer_lr, outer_momentum, nesterov, compression)
-        self._due = 0  # steps until the meeting in flight lands
-        self._landed = None  # what a meeting in flight brought, for the step checkpoint being written
-        self.local_steps = local_steps
+        if meetings is not None and (compression is not None or self.overlap_steps):
+            raise ValueError('meetings through torchft block and travel in fp32: pass compression=None and '
+                             'overlap_steps=0, not {!r} and {!r}'.format(compression, overlap_steps))
+        self._due, self._landed = 0, None  # steps until the meeting in flight lands; what it brought (checkpoint)
+        self.local_steps, self.gain = local_steps, gain(outer_lr, outer_momentum)
         self.options = dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                             compression=compression)
-        self.gain = gain(outer_lr, outer_momentum)
-        self.check_divergence = check_divergence
+        self.check_divergence, self.meetings = check_divergence, meetings
         self.engine = None
         self._retired = (0, 0.0, 0.0)  # traffic() of the engines replaced so far
         self.inner_steps = 0  # optimizer steps since the last outer step
         self._pending = None  # a loaded state, applied once the run has its models
         self._gathered = None  # every rank's local state, on rank 0, for the step checkpoint being written
-        self._hook = None
-        self._fresh = False  # the first training pass of a run
-        self._armed = False
-        self._state = None
+        self._hook = self._state = None
+        self._fresh = self._armed = False  # _fresh: the first training pass of a run
         self._flag = StopFlag()
         self._stop_asked = self._stop_arrived = False  # this rank's request for the next flag; the flag's answer
         self._agreement = StopAgreement(self, carrier=self)  # held, not inherited: this callback carries its stops
@@ -125,7 +124,7 @@ class DiLoCo(Callback):
     def on_start(self, state):
         self._remove_hook()
         self._fresh = True
-        if collectives.world_size() == 1:
+        if self.meetings is None and collectives.world_size() == 1:
             return
         if isinstance(state[torchbearer.MODEL], DistributedDataParallel):
             raise ValueError('the model is DistributedDataParallel, which averages gradients at every step: DiLoCo '
@@ -139,7 +138,7 @@ class DiLoCo(Callback):
 
     def on_start_training(self, state):
         self._agreement.open_run(state)
-        if collectives.world_size() == 1:
+        if self.meetings is None and collectives.world_size() == 1:
             return
         params = [p for _, p in _held.trainable(state)]
         fresh, self._fresh = self._fresh, False
@@ -155,9 +154,9 @@ class DiLoCo(Callback):
                 self.inner_steps = 0
             self.engine.show_local()  # after the anchor showed for validation and the epoch end (if it did)
         if self._pending is not None:  # a loaded checkpoint's state
-            self.engine.load_state_dict(self._pending['engine'])
-            self.inner_steps, self._due = restore_local(self.engine, self._pending, state[torchbearer.OPTIMIZER])
-            self._pending = None
+            self._load(self._pending, state[torchbearer.OPTIMIZER])
+        if fresh and self.meetings is not None:  # the rest of the meeting whose quorum this replica joined at start
+            self.meetings.meet(self.engine, trained=False, quorum=False)
         if self._hook is None:
             self._state = weakref.ref(state)
             self._hook = state[torchbearer.OPTIMIZER].register_step_post_hook(self._after_inner_step)
@@ -177,7 +176,7 @@ class DiLoCo(Callback):
     def on_sample(self, state):
         self._stop_arrived, self._gathered = False, None
         self._armed = self.engine is not None
-        if self._armed:  # this rank's request rides the next stop flag; a flag that arrived stops this step
+        if self._armed and self.meetings is None:  # rides the next stop flag (none in the fault-tolerant mode)
             self._stop_arrived = self._flag.step(self._stop_asked)
             self._stop_asked = False
 
@@ -202,6 +201,9 @@ class DiLoCo(Callback):
 
     def _outer_step(self, state):
         """A meeting that blocks: every rank ends with the new anchor, bit for bit."""
+        if self.meetings is not None:  # through torchft's Manager; a replica behind heals at its quorum
+            self.inner_steps = 0
+            return self.meetings.meet(self.engine, trained=True)
         if self.engine.meeting is not None:  # land the one in flight; no step since it began: that is all
             self.engine.finish(carry=self.inner_steps > 0)
         if self.inner_steps > 0:
@@ -287,5 +289,12 @@ class DiLoCo(Callback):
         return {'inner_steps': self.inner_steps, 'engine': self.engine.state_dict(), 'local': self._gathered,
                 'meeting': meeting}
 
+    def _load(self, saved, optimizer):
+        self.engine.load_state_dict(saved['engine'])
+        self.inner_steps, self._due = restore_local(self.engine, saved, optimizer)
+        self._pending = None
+
     def load_state_dict(self, state_dict):
         self._pending = state_dict  # applied in on_start_training, after rank 0's weights are everywhere
+        if self.meetings is not None and self.engine is not None and state_dict is not None:
+            self._load(state_dict, None)  # a heal at a meeting's quorum: the healer's anchor, now

@@ -14,7 +14,7 @@ from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
 from torchbearer_dist.ft import _heal
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
-from torchbearer_dist.sync import collectives
+from torchbearer_dist.sync import collectives, meeting
 from torchbearer_dist.sync._autograd import queue_at_backward_end
 
 
@@ -55,6 +55,8 @@ class FaultTolerantAllReduce(Callback):
         host (str): the address other replicas reach this one at (default: its address on the route to
             the lighthouse)
         loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed
+        every_step (bool): False: no quorum nor averaging at each step; :class:`~torchbearer_dist.DiLoCo`'s
+            meetings go through :meth:`meet` instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``)
 
     Raises:
         ValueError: a bad option
@@ -71,7 +73,7 @@ class FaultTolerantAllReduce(Callback):
     """
 
     def __init__(self, lighthouse=None, replica_id=None, min_replicas=1, timeout=60.0, host=None,
-                 loss_reduction='auto'):
+                 loss_reduction='auto', every_step=True):
         super().__init__()
         self.lighthouse = lighthouse_address(lighthouse)
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
@@ -82,7 +84,7 @@ class FaultTolerantAllReduce(Callback):
             raise ValueError('replica_id should be a non-empty string without ":", but given {!r}'.format(replica_id))
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
-        self.host, self.loss_reduction = host, loss_reduction
+        self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
         self.replica = None
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
@@ -91,7 +93,7 @@ class FaultTolerantAllReduce(Callback):
 
     def _reset(self):
         self._state = self._pending = None
-        self._open = self._in_step = self._averaged = self._queued = False
+        self._open = self._in_step = self._averaged = self._queued = self._meets = False
         self._commit = None
         self._params, self._gated = [], []
         self._samples = {'train': 0, 'val': 0}
@@ -113,7 +115,8 @@ class FaultTolerantAllReduce(Callback):
         self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
                                self.timeout, self.host)
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
-        self._gate(state)
+        if self.every_step:
+            self._gate(state)
         self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
         self._open = True  # this quorum serves the first step
 
@@ -136,12 +139,14 @@ class FaultTolerantAllReduce(Callback):
     def on_sample(self, state):
         if self.replica is None:
             return
+        self._samples['train'] += batch_size(state) or 0
+        if not self.every_step:
+            return
         self._commit, self._averaged, self._queued, self._in_step = None, False, False, True
         if self._open:
             self._open = False
         else:
             self._start_quorum()
-        self._samples['train'] += batch_size(state) or 0
 
     def on_sample_validation(self, state):
         self._samples['val'] += batch_size(state) or 0
@@ -151,7 +156,7 @@ class FaultTolerantAllReduce(Callback):
             self._queued = queue_at_backward_end(self._average)  # runs when this backward pass ends
 
     def on_backward(self, state):
-        if self.replica is not None and not self._averaged:
+        if self._in_step and not self._averaged:
             self._average()
 
     def on_step_training(self, state):
@@ -174,6 +179,23 @@ class FaultTolerantAllReduce(Callback):
                     p.grad = average.view_as(p)
                 else:
                     p.grad.copy_(average.view_as(p))
+
+    def meet(self, engine, trained, quorum=True):
+        """A DiLoCo meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`), after a quorum if ``quorum``.
+
+        A replica behind heals at that quorum (DiLoCo's state: the healer's anchor) and counts as not trained.
+
+        Returns:
+            bool: whether torchft committed the meeting (the outer step taken)
+        """
+        if quorum:
+            heals, self._meets = self.heals, True
+            try:
+                self._start_quorum()
+            finally:
+                self._meets = False
+            trained = trained and self.heals == heals
+        return meeting.meet(self.replica.manager, engine, trained)
 
     def _gate(self, state):
         """Every optimizer of the Trial steps only if torchft commits the step (decided once per step).
@@ -222,9 +244,10 @@ class FaultTolerantAllReduce(Callback):
         state = self._state()
         loader = state.get(torchbearer.GENERATOR)
         sampler = distributed_sampler(loader) if loader is not None else None
-        training = self._in_step  # at a step's quorum: about to train batch state[BATCH]; else at the run's start
+        # At a step's quorum: about to train batch state[BATCH]; at a meeting: after it; else at the run's start.
+        training = self._in_step or self._meets
         position = {'epoch': state[torchbearer.EPOCH] if training else len(state[torchbearer.HISTORY]),
-                    'batches': state[torchbearer.BATCH] if training else 0,
+                    'batches': state[torchbearer.BATCH] + self._meets if training else 0,
                     'batch_size': getattr(getattr(loader, 'batch_sampler', None), 'batch_size', None),
                     'world_size': getattr(sampler, 'num_replicas', 1)}
         return _heal.capture(state, position)
@@ -233,7 +256,7 @@ class FaultTolerantAllReduce(Callback):
         if self.replica.manager.current_step() > 0:  # not the first step's init_sync: a heal
             self.heals += 1
         position = _heal.restore(self._state(), payload, 'a healthy replica')
-        if not self._in_step:
+        if not (self._in_step or self._meets):
             self._pending = position
 
     # --- the end of a run, however it ends ------------------------------------------------------------------
