@@ -5,52 +5,42 @@ import time
 
 class Timing:
     """The waits of a job whose rendezvous timeout is ``limit`` and collective timeout ``timeout`` (seconds).
-
-    Fixed waits, class attributes, bound a local or one-round-trip action, not a peer:
-
-    - ``STORE_CALL`` (2 s): a publish or read of a cause; ``PROBE`` (1 s): whether the master's port accepts;
-      ``LEAVE_CALL`` (1 s): marking this rank left, against a master that may be frozen
-    - ``CAUSE_WAIT`` (3 s): a failed collective polls this long for the peer's cause (the peer wakes, unwinds
-      and publishes within it); 1 s after a timeout, when the peer was silent for the timeout
-    - ``READERS`` (3 s): rank 0, whose process holds the store, waits at most this long for the others to read
-      the cause
-    - ``CONNECT_GRACE`` (2 s): a main thread still inside gloo's connect this long after it was woken is ended:
-      nothing interrupts that native call
-    - ``STOPPED_EARLY`` (3 s): launch() names a rank stopped by a signal that much sooner: it is surely frozen
-    - ``INTERRUPT_GRACE`` (2 s): after Ctrl-C, the main thread's own handling gets this long, then its
-      collective is failed, and this long again before a main thread stuck in native code is ended
-    - ``KILL_GRACE`` (3 s): launch() waits this long after the first failure for the other ranks' reports
-      (the root cause may come second)
-
-    Attributes:
-        beat: between heartbeats: a second, or a quarter of the limit (a beat late under load is no silence)
-        heartbeat_call: the heartbeat's store calls: half the limit, 5 s at most, so that a call blocked on a
-            silent master fails in time for the next round
-        guess: at the join, the heartbeat may still name the rank when gloo's words were only a guess: two
-            beats and a second; a live peer's beat is never seen unchanged for longer
-        named: a closed connection in a job of three or more names no rank; rank 0 names the one whose beat
-            stopped: seen at most a beat before the failure, it is unchanged for ``guess`` this long after
-        told: the other ranks wait this long for rank 0's cause then: rank 0 names the rank ``named`` after
-            its failure or as silent two beats and a quarter after the limit, read within a beat and a quarter
-        gloo_connect: gloo's connect waits for every peer this long: the limit (or the collective timeout)
-        listener: the store client against a master port whose program accepts and never answers, which
-            torch does not bound: 1.5 times the limit and 5 s
-        last_rank: launch() stops a last rank idle this long: the limit, and two one-second beats and a
-            second for the ranks' own heartbeat to name it first
-    """
-    STORE_CALL, CAUSE_WAIT, READERS, CONNECT_GRACE, LEAVE_CALL, PROBE = 2.0, 3.0, 3.0, 2.0, 1.0, 1.0
-    STOPPED_EARLY, INTERRUPT_GRACE, KILL_GRACE = 3.0, 2.0, 3.0
+    The fixed ones, class attributes, bound a local or one-round-trip action, not a peer."""
+    STORE_CALL = 2.0  # a publish or read of a cause
+    PROBE = 1.0  # whether the master's port accepts
+    LEAVE_CALL = 1.0  # marking this rank left, against a master that may be frozen
+    # a failed collective polls this long for the peer's cause (the peer wakes, unwinds and publishes within it);
+    # 1 s after a timeout, when the peer was silent for the timeout (read_wait)
+    CAUSE_WAIT = 3.0
+    READERS = 3.0  # rank 0, whose process holds the store, waits at most this long for the others to read a cause
+    CONNECT_GRACE = 2.0  # a main thread still inside gloo's connect this long after it was woken is ended
+    STOPPED_EARLY = 3.0  # launch() names a rank stopped by a signal that much sooner: it is surely frozen
+    # after Ctrl-C, the main thread's own handling gets this long, then its collective is failed, and this long
+    # again before a main thread stuck in native code is ended
+    INTERRUPT_GRACE = 2.0
+    # launch() waits this long after the first failure for the other ranks' reports (the root cause may come second)
+    KILL_GRACE = 3.0
 
     def __init__(self, limit, timeout=None):
         self.limit = limit
         self.timeout = limit if timeout is None else timeout
-        self.beat = min(1.0, limit / 4)
+        self.beat = min(1.0, limit / 4)  # between heartbeats (a beat late under load is no silence)
+        # the heartbeat's store calls: one blocked on a silent master fails in time for the next round
         self.heartbeat_call = min(5.0, limit / 2)
+        # at the join, the heartbeat may still name the rank when gloo's words were only a guess: a live peer's
+        # beat is never seen unchanged for longer
         self.guess = 2 * self.beat + 1.0
+        # a closed connection in a job of three or more names no rank; rank 0 names the one whose beat stopped:
+        # seen at most a beat before the failure, it is unchanged for `guess` this long after
         self.named = self.guess + self.beat
+        # the other ranks wait this long for rank 0's cause then: it names the rank `named` after its failure,
+        # or silent two beats and a quarter after the limit, which they read within a beat and a quarter
         self.told = limit + self.named
-        self.gloo_connect = min(self.timeout, limit)
+        self.gloo_connect = min(self.timeout, limit)  # gloo's connect waits for every peer this long
+        # the store client against a port whose program accepts and never answers, which torch does not bound
         self.listener = 1.5 * limit + 5.0
+        # launch() stops a last rank idle this long: two one-second beats and a second more for the ranks' own
+        # heartbeat to name it first
         self.last_rank = limit + 3.0
 
     @classmethod
