@@ -1,12 +1,10 @@
-"""SLURM: its host lists, the first node of a step as rank 0's address, a port from the job id, tasks per node.
-
-Private: what :func:`torchbearer_dist.runtime.env.resolve` reads of a SLURM step (as Lightning keeps
-one cluster environment per scheduler).
+"""What :func:`~torchbearer_dist.runtime.env.resolve` reads of a SLURM step: its host lists, its first node as
+rank 0's address, a port from the job id, tasks per node (one module per scheduler, as Lightning's).
 """
 import itertools
 import re
 
-from torchbearer_dist.runtime._variables import env_int, first_env_int
+from torchbearer_dist.runtime._variables import env_int
 
 #: Most names one bracket range of a SLURM host list may stand for (SLURM's own bound is 64k).
 _MAX_RANGE = 65536
@@ -28,12 +26,10 @@ def _expand_range(text, hostlist):
 
 def hostnames(hostlist):
     """The host names of a SLURM host list such as ``'node[01-04,07],gpu[1-2]-ib'``, as ``scontrol show
-    hostnames`` gives them; ValueError naming a malformed list.
-
-    Items are separated by commas or blanks outside brackets; a range keeps the width of its low end
-    (``[08-11]``: ``08 09 10 11``); duplicates and order are kept; several bracket groups expand in
-    ``scontrol``'s order (the last fastest, then the first, the second, ...); text after the last bracket
-    is a suffix, as newer SLURM releases keep it."""
+    hostnames`` gives them; ValueError naming a malformed list. Items are separated by commas or blanks outside
+    brackets; a range keeps the width of its low end (``[08-11]``: ``08 09 10 11``); duplicates and order are
+    kept; several bracket groups expand in ``scontrol``'s order (the last fastest, then the first, the second,
+    ...); text after the last bracket is a suffix, as newer SLURM releases keep it."""
     names = []
     for item in re.split(r'[,\s]+(?![^\[]*\])', hostlist.strip()):
         if not item:
@@ -58,7 +54,8 @@ def master(environ):
     ``host`` is None for a step on one node (loopback serves it) and ``port`` None without a job id.
     The port is ``15000 +`` the job id's last four digits, as PyTorch Lightning's SLURM environment.
     """
-    nodes = first_env_int(environ, 'SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
+    nodes = next((env_int(name, environ) for name in ('SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
+                  if environ.get(name)), None)
     nodelist = next((environ[name] for name in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST')
                      if environ.get(name)), None)
     hosts = hostnames(nodelist) if nodelist else []

@@ -15,8 +15,3 @@ def env_int(name, environ):
     except ValueError:
         raise ValueError('Environment variable {} should be an integer, but given {!r}; '
                          'fix or unset it'.format(name, value)) from None
-
-
-def first_env_int(environ, *names):
-    """The integer of the first of ``names`` set in ``environ``, or None."""
-    return next((env_int(name, environ) for name in names if environ.get(name)), None)
