@@ -1,7 +1,6 @@
-"""How :func:`~torchbearer_dist.launch` watches its ranks: each rank's stderr passed on and its last lines kept;
-the loop that collects the reports, stops the others after the first failure, names the root cause (as
-:func:`~torchbearer_dist.runtime._decision.first_failure` decides), and stops a frozen last rank.
-"""
+"""How :func:`~torchbearer_dist.launch` watches its ranks: their stderr passed on and its last lines kept; the
+loop that collects the reports, stops the others after the first failure, names the root cause
+(:func:`~torchbearer_dist.runtime._decision.first_failure`), and stops a frozen last rank."""
 import collections
 import os
 import pickle
@@ -24,9 +23,6 @@ LOST = ("multiprocessing.util._run_finalizers is gone from this Python: a rank t
 class RemoteTraceback(Exception):
     """Carries a rank's traceback text as the ``__cause__`` of the error re-raised in the launcher."""
 
-    def __str__(self):
-        return self.args[0]
-
 
 def _collect(pipes, reports):
     """Add to ``reports`` what each rank that has not reported yet sent (None: its pipe broke)."""
@@ -39,10 +35,9 @@ def _collect(pipes, reports):
 
 
 def release_multiprocessing_objects():
-    """Run multiprocessing's exit finalizers with a priority (not the joins a normal exit also waits for): they
-    unlink the process's named semaphores (a ``Lock``, tqdm's write lock) and tell the resource tracker. For
-    a rank that ends with ``os._exit``, which skips them: the tracker, shared with the launcher, would warn
-    of a leaked semaphore after the launcher's one-line cause."""
+    """For a rank that ends with ``os._exit``, which skips them: run multiprocessing's exit finalizers with a
+    priority, which unlink its named semaphores (a ``Lock``, tqdm's write lock); else the resource tracker,
+    shared with the launcher, warns of a leaked semaphore after the launcher's one-line cause."""
     run = getattr(util, '_run_finalizers', None)  # private: the function multiprocessing's own exit calls
     if run is None:
         warn_once(LOST)
@@ -87,10 +82,9 @@ _TAIL_LINES = 20
 
 
 class StderrTail:
-    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept:
-    a rank that dies before it can report (a function it cannot import, a crash in C++) leaves its
-    cause in the error, and in Jupyter the ranks' output shows in the notebook.
-    """
+    """Each rank's stderr, passed on to this process's ``sys.stderr`` line by line, its last lines kept: a rank
+    that dies before it can report (a function it cannot import, a crash in C++) leaves its cause in the error,
+    and in Jupyter the ranks' output shows in the notebook."""
 
     def __init__(self):
         self.lines, self._threads = {}, []
@@ -155,21 +149,17 @@ def _stat(pid):
     return ('', None) if fields is None else (fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'))
 
 
-class _Idle:
-    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds: one that
-    goes on working (rank-0-only work) uses CPU time; one frozen or waiting for gone peers uses none."""
-
-    def __init__(self, bound):
-        self.bound, self.marks = bound, {}
-
-    def stalled(self, rank, pid, now):
-        state, cpu = _stat(pid)
-        since, used = self.marks.setdefault(rank, (now, cpu))
-        if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
-            self.marks[rank] = (now, cpu)
-            return False
-        # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
-        return now - since > self.bound - (Timing.STOPPED_EARLY if state in ('T', 't') else 0.0)
+def _stalled(marks, rank, pid, now, bound):
+    """Whether a rank left running alone has been idle (under 1% of a core) for ``bound`` seconds, ``marks``
+    keeping when each was last seen working: one that goes on working (rank-0-only work) uses CPU time; one
+    frozen or waiting for gone peers uses none."""
+    state, cpu = _stat(pid)
+    since, used = marks.setdefault(rank, (now, cpu))
+    if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
+        marks[rank] = (now, cpu)
+        return False
+    # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer
+    return now - since > bound - (Timing.STOPPED_EARLY if state in ('T', 't') else 0.0)
 
 
 def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
@@ -178,7 +168,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
     started = time.monotonic()
     failed_at = None
     forwarded = False
-    idle = _Idle(last_rank_bound)
+    marks = {}  # for _stalled
     while True:
         if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
             forwarded = True
@@ -196,7 +186,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
         if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
             break
         if not failed and len(running) < len(processes):
-            stalled = [r for r in running if idle.stalled(r, processes[r].pid, time.monotonic())]
+            stalled = [r for r in running if _stalled(marks, r, processes[r].pid, time.monotonic(), last_rank_bound)]
             if stalled:  # a stopped process first: the others may be waiting for it
                 stalled.sort(key=lambda r: _stat(processes[r].pid)[0] not in ('T', 't'))
                 raise RuntimeError('rank {} did not end within {:g} s of the other ranks, and used no CPU '
