@@ -4,11 +4,10 @@ No public torch call does this for gloo (``python benchmarks/peer_wakeup.py``, t
 ``abort()``, ``shutdown()`` or ``destroy_process_group()`` (where a Work object still holds the group) a rank
 blocked in an all_reduce waits the whole timeout, and no call from a helper thread wakes its main thread.
 
-gloo's sockets are identified positively: gloo publishes each rank's listening address in the store
-(``<group>//cpu//0/<rank>``, see :func:`published`); a socket of this process is gloo's exactly when its local
-address is this rank's or its remote address another rank's; on any mismatch, or off Linux, this does nothing.
-The layout is private to c10d and gloo: where it is not found, :func:`endpoints` warns once (:data:`LOST`), and
-``tests/runtime/test_private_gloo.py`` fails on the pinned torch.
+A socket of this process is gloo's exactly when its local address is this rank's gloo listening address, or
+its remote address another rank's, as gloo publishes them in the store (:func:`published`); on any mismatch,
+or off Linux, this does nothing. That layout is private to c10d and gloo: where it is not found,
+:func:`endpoints` warns once (:data:`LOST`), and ``tests/runtime/test_private_gloo.py`` fails.
 """
 import os
 import socket
@@ -28,9 +27,8 @@ LOST = ('torchbearer_dist: gloo\'s listening addresses were not found in the c10
 
 
 def _sockaddr(value, offset):
-    """``(ip, port)`` of the ``sockaddr`` at ``offset`` of gloo's serialized address, or None."""
-    if len(value) < offset + 24:
-        return None
+    """``(ip, port)`` of the ``sockaddr`` at ``offset`` of gloo's serialized address (24 bytes there, as
+    :func:`published` checked), or None."""
     family = struct.unpack_from('<H', value, offset)[0]
     port = struct.unpack_from('>H', value, offset + 2)[0]
     if family == _AF_INET:

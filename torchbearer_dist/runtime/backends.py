@@ -57,8 +57,7 @@ def check_backend(backend):
     if backend == 'nccl' and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs a CUDA device, but this process sees none; "
                          "use backend='gloo' on CPU machines")
-    available = {'gloo': dist.is_gloo_available, 'nccl': dist.is_nccl_available, 'mpi': dist.is_mpi_available}
-    if not available[backend]():
+    if not getattr(dist, 'is_{}_available'.format(backend))():
         raise ValueError('backend {!r} is not available in this build of torch {}; use gloo instead'.format(
             backend, torch.__version__))
     return backend
