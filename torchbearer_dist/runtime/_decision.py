@@ -1,12 +1,11 @@
 """Why a rank stops, decided once: which rank, which cause, and when; no clock, thread or socket.
 
-Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure (its
-verdict arrives as a cause), the main thread when the handshake or gloo's connect failed (``JOIN``), when
-the program's block raised (``RUN``) or ended while a peer fell silent (``LEAVE``), and the Ctrl-C watcher
-when the main thread did not take a Ctrl-C in time (``INTERRUPT``). :func:`first_failure` is the same
-question for :func:`~torchbearer_dist.launch`. The live group (:mod:`._live`) gathers the :class:`Facts`
-and acts on the :class:`Decision`; the causes' words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s.
-"""
+Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it judged a failure
+(``HEARTBEAT``), the main thread when the handshake or gloo's connect failed (``JOIN``), when the program's
+block raised (``RUN``) or ended while a peer fell silent (``LEAVE``), and the Ctrl-C watcher when the main
+thread did not take a Ctrl-C in time (``INTERRUPT``); :func:`first_failure` asks it for
+:func:`~torchbearer_dist.launch`. The live group (:mod:`._live`) gathers the :class:`Facts` and acts on the
+:class:`Decision`; the causes' words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s."""
 import os
 from dataclasses import dataclass, field
 
@@ -62,9 +61,8 @@ def is_collective_error(error):
 
 
 def timed_out(error, silence, limit):
-    """Whether a peer fell silent rather than left: torch said so by the error's type, or the heartbeat
-    saw a watched peer's beat unchanged for half the rendezvous timeout ``limit`` (``silence``, seconds, or
-    None without a heartbeat). A peer that left closed its connection within a beat of its last one."""
+    """Whether a peer fell silent rather than left (which closes its connection within a beat of its last one):
+    the error's type says so, or a watched beat was unchanged for half the ``limit`` (``silence``, or None)."""
     if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
         return True
     return silence is not None and silence > limit / 2
@@ -72,8 +70,8 @@ def timed_out(error, silence, limit):
 
 @dataclass(frozen=True)
 class Facts:
-    """What a rank knows when it asks; gathered by the live group. ``now`` and ``failed_at`` (when the error
-    was caught) are of one monotonic clock; the fields after ``gathered`` are set once the store was asked."""
+    """What a rank knows when it asks, gathered by the live group; the fields after ``gathered`` once the store
+    was asked."""
     env: object
     phase: str  # HEARTBEAT, JOIN, RUN, LEAVE or INTERRUPT
     error: str = None  # what the main thread caught (classify); None at HEARTBEAT, LEAVE or INTERRUPT
@@ -90,7 +88,7 @@ class Facts:
     published: object = None  # the Cause a rank published in the store
     dead: tuple = ()  # local peer ranks seen gone while polling
     store_failed: bool = False  # the store stopped answering while polled
-    failed_at: float = 0.0
+    failed_at: float = 0.0  # when the error was caught (one monotonic clock)
     now: float = 0.0
 
 

@@ -81,9 +81,8 @@ def wait_until_read(store, world_size, seconds=Timing.READERS, skip=None):
 
 def read_cause(store, wait=0.0, deaths=True, reader=None):
     """``(cause, dead)``: the published :class:`Cause` (or None) and the local peers seen dead, polling up to
-    ``wait`` s; with ``deaths`` a dead peer ends the poll (a rank publishes before it exits: the key is read
-    first). ``reader``, this rank, is marked as having read it (see :func:`wait_until_read`). Raises what
-    the store raises when it stops answering."""
+    ``wait`` s; with ``deaths`` a dead peer ends the poll. ``reader``, this rank, is marked as having read it
+    (see :func:`wait_until_read`). Raises what the store raises when it stops answering."""
     store.set_timeout(_SHORT)
     dead = []
 

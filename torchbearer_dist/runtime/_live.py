@@ -25,9 +25,7 @@ from torchbearer_dist.runtime.errors import PeerFailedError
 class LiveGroup:
     """The one live process group of this process, kept in ``env._live``: made by
     :func:`~torchbearer_dist.runtime.group.init_process_group`, ended by :meth:`end`; nothing else holds live
-    state. Its heartbeat's thread calls back into it (:meth:`_on_watchdog`), the Ctrl-C watcher too
-    (:meth:`interrupted`).
-    """
+    state. Its heartbeat's thread (:meth:`_on_watchdog`) and the Ctrl-C watcher (:meth:`interrupted`) call it."""
 
     def __init__(self, env, store, sock):
         self.env, self.store, self.timing = env, store, Timing.of(env)
@@ -45,9 +43,8 @@ class LiveGroup:
         atexit.register(self._at_exit)
 
     def start_watchdog(self, environ):
-        """Start this rank's heartbeat, over a store connection of its own, before the handshake: from then on
-        a master that stops answering ends this rank, the handshake included; the other ranks' beats are
-        watched once they have all joined (:meth:`watch_peers`)."""
+        """Start this rank's heartbeat, over a store connection of its own, before the handshake, so that a master
+        that stops answering ends it; the others' beats are watched once all have joined (:meth:`watch_peers`)."""
         env = self.env
         if env.init_method is None:  # the main thread's store connections: only they are woken while joining
             self.main_connections = _gloo_sockets.store_connections(env.host, env.port)
@@ -86,8 +83,7 @@ class LiveGroup:
             self._end_a_stuck_connect()
 
     def interrupted(self):
-        """From the Ctrl-C watcher (:mod:`.interrupts`): the main thread did not take a Ctrl-C within its grace;
-        ask :func:`decide` and act (this rank's cause published, its collectives failed)."""
+        """From the Ctrl-C watcher: the main thread did not take a Ctrl-C in time; ask :func:`decide` and act."""
         decision = decide(Facts(self.env, INTERRUPT), self.timing)
         if decision.publish:
             _diagnosis.publish(self.store, decision.cause)
@@ -150,12 +146,12 @@ class LiveGroup:
                 found['store_failed'] = True
         return found
 
-    def _end_a_stuck_connect(self, grace=Timing.CONNECT_GRACE):
+    def _end_a_stuck_connect(self):
         """Last resort, from the heartbeat's thread: gloo connecting to a silent host retries for about five
-        times its timeout, and nothing interrupts that native call. Woken first (its store connections shut),
-        a main thread still inside it ``grace`` seconds later, with no user code running yet, is ended: the
+        times its timeout, and nothing interrupts that native call. Woken first (its store connections shut), a
+        main thread still inside it ``Timing.CONNECT_GRACE`` later, with no user code running yet, is ended: the
         cause in one line and status 1, as the uncaught error would have (``os._exit``: no exit handlers)."""
-        if poll(lambda: not self.connecting, grace):
+        if poll(lambda: not self.connecting, Timing.CONNECT_GRACE):
             return
         line = self.cause.line() if self.cause is not None else 'another rank failed while the ranks were connecting'
         sys.stderr.write('torchbearer_dist: error: {} (rank {} stopped while gloo was connecting)\n'.format(
@@ -229,11 +225,10 @@ class LiveGroup:
             atexit.unregister(self._at_exit)
 
     def _at_exit(self):
-        """Leave no torch thread running into interpreter finalization, where one that asks for the GIL aborts
-        the process (exit 134): gloo's worker dropping a finished all-reduce (5 of 80 two-rank scripts that
-        end without destroying their group, 0 of 80 with this) or our heartbeat returning from a store call.
-        End a group the program left up, and wait for every stopped heartbeat. Registered while the group
-        lives (or a stopped heartbeat's thread does); it never exits the process nor sets its status."""
+        """Leave no torch thread running into interpreter finalization, where one that asks for the GIL aborts the
+        process (exit 134): gloo's worker dropping a finished all-reduce (5 of 80 two-rank scripts that end
+        without destroying their group, 0 of 80 with this) or our heartbeat returning from a store call. Ends a
+        group the program left up, waits for every stopped heartbeat; never exits the process nor sets its status."""
         if env_module._live is self:
             self.leave(wait=False)  # no wait for the peers: an uncaught error may be on its way out
             self.end(at_exit=True)

@@ -1,7 +1,5 @@
-"""MPI: rank 0's address and a free port sent to every rank through mpi4py, where it is installed.
-
-Private: what :func:`torchbearer_dist.runtime.env.resolve` asks of MPI for a job that mpirun or
-mpiexec started across machines with no address given.
+"""What :func:`~torchbearer_dist.runtime.env.resolve` asks of MPI for a job that mpirun or mpiexec started
+across machines with no address given: rank 0's address and a free port, sent through mpi4py where installed.
 """
 import socket
 
@@ -13,10 +11,9 @@ _cache = {}
 def address(port):
     """``(host, port)`` of rank 0 sent to every rank through MPI (mpi4py), or None without mpi4py.
 
-    Every rank gathers its IPv4 addresses to rank 0, which picks the one of its own that the kernel
-    routes to the first rank of another machine, and a free port there when ``port`` is None; a
-    broadcast hands both to every rank. A collective: every rank of the job must call it, once.
-    The answer is kept, so later calls in the same process return it without communicating.
+    Rank 0 gathers every rank's IPv4 addresses, picks the one of its own that the kernel routes to the first
+    rank of another machine, and a free port there when ``port`` is None, and broadcasts both. A collective,
+    called once: the answer is kept, so later calls in the same process return it without communicating.
     """
     if 'address' in _cache:
         return _cache['address']

@@ -1,9 +1,8 @@
 """Where the other ranks run, and whether a peer of this machine has died.
 
-Each rank publishes an identity at the handshake: host name, boot id, pid namespace, pid and start
-time. A peer is "of this machine" when boot id and pid namespace match ours (its pid means the same
-process here), and dead when that pid is gone, a zombie, or a process started at another time (reused).
-One ``/proc/<pid>/stat`` per local peer; what was read belongs to the live group (``env._live.peers``).
+Each rank publishes an identity at the handshake: host name, boot id, pid namespace, pid and start time. A
+peer is "of this machine" when boot id and pid namespace match ours, and dead when its pid is gone, a zombie,
+or a process started at another time (reused): one ``/proc/<pid>/stat`` read per local peer.
 """
 import os
 import socket

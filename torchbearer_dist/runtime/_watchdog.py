@@ -1,10 +1,9 @@
 """Notice a dead or silent peer in seconds, whatever the collective timeout.
 
 A helper thread of each rank beats a counter in the job's store over its own connection, from before the
-handshake. Rank 0 watches every rank's counter once all have joined, the others rank 0's and the store
-itself; :func:`~._verdict.judge` judges, and the live group publishes the cause and wakes the main thread.
-A rank busy for minutes between collectives keeps beating, so the collective timeout can stay long, as
-torch's is.
+handshake. Rank 0 watches every rank's counter once all have joined, the others rank 0's and the store itself;
+the live group publishes what :func:`~._verdict.judge` found and wakes the main thread. A rank busy for
+minutes between collectives keeps beating, so the collective timeout can stay long, as torch's is.
 """
 import threading
 import time
@@ -34,13 +33,12 @@ class Watchdog:
 
     def __init__(self, env, store, on_failure, interval=None, dead_ranks=None, peers=True):
         timing = Timing.of(env)
-        limit = timing.limit
         self.env, self.store, self.on_failure = env, store, on_failure
         self.interval = timing.beat if interval is None else min(interval, timing.beat)
         self._dead_ranks = dead_ranks or frozenset
         watched = range(env.world_size) if env.rank == 0 else [0]
         self._peers = tuple(r for r in watched if r != env.rank)
-        self.limits = _verdict.Limits(env.rank, self._peers if peers else (), limit)
+        self.limits = _verdict.Limits(env.rank, self._peers if peers else (), timing.limit)
         now = time.monotonic()
         self._seen = _verdict.Sample(now, now)  # the last store round that succeeded
         self._failed = (float('-inf'), 0)  # when a store round last failed, and how many in a row
@@ -66,9 +64,8 @@ class Watchdog:
         return any(thread.is_alive() for thread in self._threads)
 
     def join(self, seconds=None):
-        """Wait until both threads have ended, a store call in flight returned: a daemon thread still inside a
-        torch call when the interpreter finalizes aborts the process (exit 134). By default bounded by the
-        store's own timeout, a beat and a second; ``seconds`` for each thread otherwise."""
+        """Wait until both threads have ended (a daemon thread inside a torch call when the interpreter finalizes
+        aborts the process), ``seconds`` each, by default the store's own timeout, a beat and a second."""
         if seconds is None:
             seconds = self.store.timeout.total_seconds() + self.interval + 1.0
         for thread in self._threads:

@@ -122,9 +122,8 @@ def with_rendezvous_timeout(env, rendezvous_timeout=None, environ=None):
     return replace(env, rendezvous_timeout=value if given else min(value, env.timeout))
 
 
-#: Launchers in the order their variables are trusted: (source, rank, size, local rank, found when).
-#: OpenMPI comes before SLURM: mpirun inside an allocation inherits the batch step's SLURM_*.
-#: PMI is MPICH's and Intel MPI's mpiexec (Hydra), and srun --mpi=pmi2.
+#: Launchers in the order their variables are trusted: (source, rank, size, local rank, found when). OpenMPI
+#: before SLURM: mpirun in an allocation inherits SLURM_*. PMI: MPICH's, Intel MPI's mpiexec, srun --mpi=pmi2.
 _LAUNCHERS = (
     ('torchrun', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', any),
     ('openmpi', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_RANK', any),
@@ -164,8 +163,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
     ``mpirun`` (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``),
     then from MPICH's PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``), then from SLURM's
     (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``). With none of these the process is a job
-    of one: rank 0 of 1. Under mpirun and PMI the address of rank 0 comes from ``host`` or
-    ``MASTER_ADDR``.
+    of one: rank 0 of 1. Rank 0's address comes from ``host``, ``MASTER_ADDR``, SLURM's node list, or
+    mpi4py under mpirun or mpiexec across machines.
 
     Example: ::
 

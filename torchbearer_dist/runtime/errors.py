@@ -27,19 +27,17 @@ class PeerFailedError(RuntimeError):
         return cls('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind, cause.exc_type or None)
 
 
-#: The exit status of a rank that stopped for a pre-emption after its step checkpoint was written:
-#: ``EX_TEMPFAIL`` of ``sysexits.h``, "a temporary failure; the user is invited to retry". Run the same
-#: command again (or let torchrun or SLURM restart it) and training goes on from that checkpoint.
+#: The exit status of a rank that stopped for a pre-emption after its step checkpoint was written: ``EX_TEMPFAIL``
+#: of ``sysexits.h``, "the user is invited to retry": run the same command again to go on from that checkpoint.
 EXIT_PREEMPTED = 75
 
 
 class Preempted(SystemExit):
     """Training stopped for a pre-emption signal (SIGTERM, SIGUSR1) and can resume from its checkpoint.
 
-    A :class:`SystemExit` whose ``code`` is :data:`EXIT_PREEMPTED` (75): uncaught, it ends the process
-    with that status and no traceback. Raised by ``trial.run`` on every rank once the
-    :class:`~torchbearer_dist.Checkpoint` callback has written its step checkpoint, and by the signal
-    handler itself where no Trial is training.
+    A :class:`SystemExit` whose ``code`` is :data:`EXIT_PREEMPTED` (75): uncaught, it ends the process with
+    that status and no traceback. Raised by ``trial.run`` on every rank once the :class:`~torchbearer_dist.Checkpoint`
+    callback has written its step checkpoint, and by the signal handler itself where no Trial is training.
     """
 
     def __init__(self, message='pre-empted; resumable from the last checkpoint'):

@@ -1,12 +1,10 @@
 """The process group's life: create it, run a block inside it, end a failure cleanly, tear it down.
 
 Everything that lives as long as a group belongs to one :class:`~torchbearer_dist.runtime._live.LiveGroup`,
-kept in ``env._live``; why a rank stopped is decided once, by :func:`~torchbearer_dist.runtime._decision.decide`.
-
-A guest in the program: importing this module installs no handler of any kind. A live group registers one
-exit handler, which tears it down if the program left it up and never exits the process or changes its
-status; it is unregistered when the group ends. ``os.environ`` is left as it was found: the interface
-chosen for gloo is set only while the group is created.
+kept in ``env._live``. A guest in the program: importing this installs no handler of any kind; a live group
+registers one exit handler, which tears it down if the program left it up, never exits the process or changes
+its status, and is unregistered when the group ends. The interface chosen for gloo is in ``os.environ`` only
+while the group is created.
 """
 import os
 import sys

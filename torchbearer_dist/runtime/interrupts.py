@@ -28,9 +28,8 @@ def _handler(signum, frame):
 def watch_interrupts(grace=Timing.INTERRUPT_GRACE):
     """Make Ctrl-C stop this rank, and through it the job, even while it is blocked in a collective.
 
-    The launcher (:func:`~torchbearer_dist.launch`) turns this on in every rank it starts; a command
-    line program that runs one rank per process calls it once at start-up. Call it from the main
-    thread; it does nothing elsewhere, when SIGINT is ignored, or twice.
+    :func:`~torchbearer_dist.launch` turns this on in every rank it starts; a program that runs one rank per
+    process calls it once, from the main thread (it does nothing elsewhere, when SIGINT is ignored, or twice).
 
     Example: ::
 

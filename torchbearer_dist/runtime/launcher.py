@@ -1,7 +1,6 @@
 """Start N ranks on this machine and watch them (:mod:`._supervisor`): the first failure stops the rest and is
 re-raised. A killed launcher leaves no rank behind holding the port, and, as it owns its ranks' processes, it
-turns on :func:`~torchbearer_dist.watch_interrupts` in each, so that Ctrl-C stops every rank within seconds.
-"""
+turns on :func:`~torchbearer_dist.watch_interrupts` in each, so that Ctrl-C stops every rank within seconds."""
 import ctypes
 import functools
 import os
@@ -163,9 +162,8 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
     method = _start_method(fn, start_method)
     context = get_context(method)
     if method == 'forkserver':
-        # what the server imports once, before it forks any rank (only before it starts: later calls change
-        # nothing). The default, '__main__', is never imported by the server of Python 3.11 (python/cpython
-        # issue 98552, fixed in later releases by gh-126631): each rank would import torch afresh.
+        # imported once by the server before it forks any rank (set before it starts). Its default, '__main__',
+        # is never imported by Python 3.11's server (cpython issue 98552): each rank would import torch afresh.
         context.set_forkserver_preload(['torchbearer_dist'])
     port = free_port(host) if port is None else port
     processes, pipes, stderr = [], [], _supervisor.StderrTail()

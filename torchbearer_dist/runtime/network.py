@@ -77,9 +77,8 @@ def check_not_loopback(env, given):
     """Fail at once, before any network wait, where a job spans machines but would meet at a loopback address
     (``given``: by ``--host`` or ``MASTER_ADDR``, not by default): one RuntimeError line saying how this
     launcher hands every rank rank 0's address."""
-    if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None:
-        return
-    if not is_loopback(env.host):
+    if env.local_world_size is None or env.local_world_size >= env.world_size or env.init_method is not None \
+            or not is_loopback(env.host):
         return
     how, export = _EXPORT[env.source]
     if given:

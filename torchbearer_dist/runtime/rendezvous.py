@@ -2,12 +2,12 @@
 
 The store is created here rather than by :func:`torch.distributed.init_process_group` so that:
 
-- rank 0 binds the socket itself, on the master address only (torch listens on every interface),
-  and a taken port fails at once, naming the port;
-- a rank > 0 gives up after the rendezvous timeout (1.5 times it and 5 s more when the master port
-  is held by a program that accepts connections and never answers; torch alone waits forever there);
-- a handshake through the store catches, before training, two processes claiming one rank,
-  processes that disagree on the world size, and a stale job on the same port.
+- rank 0 binds the socket itself, on the master address only (torch listens on every interface), and a
+  taken port fails at once, naming the port;
+- a rank > 0 gives up after the rendezvous timeout (later when the port's program accepts connections and
+  never answers: ``Timing.listener``; torch alone waits forever there);
+- a handshake catches two processes claiming one rank, ranks that disagree on the world size, and a stale
+  job on the same port.
 """
 import errno
 import functools
@@ -53,10 +53,9 @@ def _bind_master(host, port):
 
 
 def _connect(host, port, timeout):
-    """Connect to the master's store, bounded by ``timeout`` even against a silent listener: a plain TCP
-    connection is retried here first (Ctrl-C or the deadline then leaves no thread inside TCPStore's
-    constructor, which aborts the interpreter's exit), then the client is made in a helper thread, which
-    torch's own timeout does not bound against a listener that never answers."""
+    """Connect to the master's store, bounded by ``timeout`` even against a silent listener: a plain TCP connection
+    is retried first (Ctrl-C or the deadline then leaves no thread inside TCPStore's constructor, which aborts
+    the interpreter's exit), then the client is made in a helper thread, which torch does not bound there."""
     _lookup(host, port, 'check --host: it should name the machine that runs rank 0')
     seconds = timeout.total_seconds()
     started = time.monotonic()
@@ -155,9 +154,8 @@ def _wait(store, keys, timeout, what, rank=None):
 def handshake(store, env):
     """Claim this rank, publish where it runs, and check that every rank agrees on the world size.
 
-    A master that stops answering meanwhile (its process stopped, its host down or cut off: torch's client
-    then retries a read past its own timeout) is named by the heartbeat, which runs from before the
-    handshake and shuts this rank's store connections down, failing the call it blocks in.
+    A master that stops answering meanwhile (torch's client then retries a read past its own timeout) is named
+    by the heartbeat, which shuts this rank's store connections down, failing the call it blocks in.
 
     Args:
         store (torch.distributed.Store): the job's store
