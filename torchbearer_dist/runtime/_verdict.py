@@ -1,9 +1,8 @@
 """The heartbeat's judgement: who failed, and how, from what was observed; no clock, thread or socket.
 
-:class:`~torchbearer_dist.runtime._watchdog.Watchdog` samples and applies; :func:`judge` decides, as a fold:
-each wake-up of the watch thread is one :class:`Observation`, what it must remember until the next a
-:class:`Memory`. Times are one monotonic clock's seconds, so a simulated clock serves as well
-(``tests/runtime/test_verdict.py`` tries thousands of schedules).
+:class:`~torchbearer_dist.runtime._watchdog.Watchdog` samples and applies; :func:`judge` decides, as a fold of
+:class:`Observation` (one per wake-up of the watch thread) into :class:`Memory`, on one monotonic clock, which a
+simulated clock can stand in for (``tests/runtime/test_verdict.py`` tries thousands of schedules).
 
 The rules, each learned from a healthy job once ended by the rule before it:
 
