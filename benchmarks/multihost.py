@@ -112,6 +112,9 @@ def run_link(hosts, link, config, args, scratch, script=None):
     passes its own).
     """
     hosts.shape(None if link == 'none' else link)
+    # $BENCH_CPUS pins host i to the i-th ';'-separated CPU list (taskset), e.g. '2,3;4,5': on a machine of
+    # many cores, each host on cores of its own, as on separate machines
+    pinned = os.environ.get('BENCH_CPUS', '').split(';') if os.environ.get('BENCH_CPUS') else None
     processes, results = [], []
     for rank in range(args.hosts):
         job = dict(device=hosts.links[rank], master=hosts.address(0), rank=rank, world_size=args.hosts,
@@ -121,8 +124,10 @@ def run_link(hosts, link, config, args, scratch, script=None):
             json.dump(job, f)
         env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
             [os.path.dirname(HERE)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
-        processes.append(subprocess.Popen(hosts.command(rank, [sys.executable, script or os.path.abspath(__file__),
-                                                              '--worker', path]), env=env))
+        argv = [sys.executable, script or os.path.abspath(__file__), '--worker', path]
+        if pinned:
+            argv = ['taskset', '-c', pinned[rank]] + argv
+        processes.append(subprocess.Popen(hosts.command(rank, argv), env=env))
         results.append(job['result'])
     deadline = time.monotonic() + 4 * args.timeout
     try:
