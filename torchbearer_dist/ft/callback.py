@@ -93,7 +93,7 @@ class FaultTolerantAllReduce(Callback):
 
     def _reset(self):
         self._state = self._pending = None
-        self._open = self._in_step = self._averaged = self._queued = self._meets = False
+        self._open = self._in_step = self._averaged = self._queued = self._meets = self._passing = False
         self._commit = None
         self._params, self._gated = [], []
         self._samples = {'train': 0, 'val': 0}
@@ -120,8 +120,8 @@ class FaultTolerantAllReduce(Callback):
         self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
         self._open = True  # this quorum serves the first step
 
-    def _start_quorum(self):
-        self.replica.start_quorum()
+    def _start_quorum(self, shrink_only=False):
+        self.replica.start_quorum(shrink_only)
         self.writer = self._state()[WRITER] = self.replica.manager.participating_rank() == 0
 
     def on_start_training(self, state):
@@ -130,7 +130,7 @@ class FaultTolerantAllReduce(Callback):
         pending, self._pending = self._pending, None
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
-        self._samples = {'train': 0, 'val': 0}
+        self._samples, self._passing = {'train': 0, 'val': 0}, True
         self._params = [p for _, p in trainable(state)]
         for handle in self._hooks:  # the last epoch's: the trainable set may have changed since
             handle.remove()
@@ -183,15 +183,18 @@ class FaultTolerantAllReduce(Callback):
     def meet(self, engine, trained, quorum=True):
         """A DiLoCo meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`), after a quorum if ``quorum``.
 
-        A replica behind heals at that quorum (DiLoCo's state: the healer's anchor) and counts as not trained.
+        A replica behind heals at that quorum (DiLoCo's state: the healer's anchor) and counts as not trained. A
+        meeting that ends a training pass takes no new replica (torchft's ``shrink_only``): one healed there would
+        start a pass with no batch left, which torchbearer cannot end; it joins at the next meeting.
 
         Returns:
             bool: whether torchft committed the meeting (the outer step taken)
         """
         if quorum:
-            heals, self._meets = self.heals, True
+            heals, self._meets, state = self.heals, True, self._state()
             try:
-                self._start_quorum()
+                self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS] or
+                                   not self._passing)
             finally:
                 self._meets = False
             trained = trained and self.heals == heals
@@ -220,6 +223,7 @@ class FaultTolerantAllReduce(Callback):
             self._gated.append(optimizer)
 
     def on_end_training(self, state):
+        self._passing = False  # DiLoCo's meeting at the run's end comes after
         self._reduce_metrics(state, self._samples['train'])
 
     def on_end_validation(self, state):

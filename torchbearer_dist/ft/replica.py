@@ -133,8 +133,11 @@ class Replica:
             replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit))
         self.timeout, self.min_replicas = timeout, min_replicas
 
-    def start_quorum(self):
+    def start_quorum(self, shrink_only=False):
         """Join this step's quorum (healing here if behind); a lost lighthouse or too few replicas in one line.
+
+        Args:
+            shrink_only (bool): a quorum of the last one's replicas only (one that joins waits for the next)
 
         Raises:
             RuntimeError: no quorum within the timeout: the lighthouse no longer answers (named), or fewer
@@ -143,7 +146,7 @@ class Replica:
         .. warning:: A synchronization point with the lighthouse and the other live replicas.
         """
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as e:
             if isinstance(e, RuntimeError) and str(e).startswith('this replica cannot heal'):
                 raise  # the heal's own one-line error (_heal.restore), raised on this replica only
