@@ -75,7 +75,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             that trains on among the live ones when others are lost and heals live when it (re)starts
             (:class:`~torchbearer_dist.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
             ``replica_id``, ``min_replicas``, ``timeout``, ``host``); the list is then SetSamplerEpoch,
-            optionally FlattenImages, and FaultTolerantAllReduce. None (the default): the fail-fast mode
+            optionally FlattenImages, and FaultTolerantAllReduce. With ``local_steps``, DiLoCo follows it and
+            its meetings go through torchft, blocking and in fp32 (``compression`` or ``overlap_steps``
+            raise ValueError; see :doc:`/fault_tolerance`). None (the default): the fail-fast mode
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,
             ``check_divergence``, ...)
 

@@ -56,7 +56,7 @@ class FaultTolerantAllReduce(Callback):
             the lighthouse)
         loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed
         every_step (bool): False: no quorum nor averaging at each step; :class:`~torchbearer_dist.DiLoCo`'s
-            meetings go through :meth:`meet` instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``)
+            meetings go through ``meet()`` instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``)
 
     Raises:
         ValueError: a bad option
