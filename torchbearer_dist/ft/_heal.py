@@ -1,10 +1,9 @@
 """(private) What a replica sends to one that heals from it, and how the healing one takes it.
 
-A Trial's state, as a step checkpoint holds it (:mod:`torchbearer_dist.checkpoint.files`): every model
-and every optimizer the Trial holds, the callbacks' states (torchbearer's ``state_dict``, the package's
-callbacks' among them) and learning-rate schedulers, the history, and the position in the epoch
-(``epoch``, ``batches`` trained), so that the healed replica goes on with the batch its healer is
-about to train. Nothing here touches a file or a process group: torchft's Manager carries it.
+A Trial's state, as a step checkpoint holds it (:mod:`torchbearer_dist.checkpoint.files`): every model and
+optimizer the Trial holds, the callbacks' states (DiLoCo's anchor among them) and schedulers, the history, and
+the position in the epoch, so that the healed replica goes on with its healer's next batch. torchft's Manager
+carries it: nothing here touches a file or a process group.
 """
 import torch
 import torchbearer
@@ -27,16 +26,8 @@ def _layout(module_states):
 
 
 def capture(state, position):
-    """This replica's Trial state, for a replica that heals from it.
-
-    Args:
-        state (torchbearer.State): the Trial's state, at a step boundary
-        position (dict): ``epoch`` and ``batches`` trained in it, and what ``resume_epoch`` needs
-            (``batch_size``, ``world_size``)
-
-    Returns:
-        dict: the payload :func:`restore` loads
-    """
+    """The payload :func:`restore` loads: the Trial's ``state`` at a step boundary, with ``position`` (``epoch``,
+    ``batches`` trained in it, and ``batch_size``, ``world_size`` for ``resume_epoch``)."""
     modules = {label: module.state_dict() for label, module in held_modules(state)}
     callbacks = state.get(torchbearer.CALLBACK_LIST)
     return {
@@ -70,19 +61,10 @@ def _say(entry):
 
 
 def restore(state, payload, source):
-    """Load a healer's payload into this replica's Trial state (models, optimizers, callbacks, history).
+    """Load the healer's :func:`capture` into this replica's ``state``; return the healer's position.
 
-    Args:
-        state (torchbearer.State): this replica's Trial state
-        payload (dict): what :func:`capture` returned on the healer
-        source (str): the healer, for messages
-
-    Returns:
-        dict: the healer's position (``epoch``, ``batches``, ...)
-
-    Raises:
-        RuntimeError: the payload is not this package's, or its models or optimizers differ from this
-            replica's (named): the healthy replicas are left alone
+    A RuntimeError (``source`` names the healer) where the payload is not this package's or its models or
+    optimizers differ from this replica's (named): the healthy replicas are left alone.
     """
     if not isinstance(payload, dict) or payload.get('format') != FORMAT:
         raise RuntimeError('this replica cannot heal from {}: it sent no {} state (another package version?); start '

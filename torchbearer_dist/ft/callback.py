@@ -21,20 +21,19 @@ from torchbearer_dist.sync._autograd import queue_at_backward_end
 class FaultTolerantAllReduce(Callback):
     """Average gradients over the live replicas through torchft, heal a (re)started replica from a healthy one.
 
-    Each process is a torchft replica group of one. At every step it joins the lighthouse's quorum of
-    live replicas, averages its gradients over them (before ``backward()`` returns, so every
-    ``on_backward`` callback sees the average), and steps every optimizer the Trial holds only if
-    torchft commits the step: a step during which a replica was lost is dropped on every survivor
-    (not retried), and they go on among themselves without restarting. A replica that starts while
-    others train (a replacement, a restarted machine) heals at the start of ``run()`` from a healthy
-    one: every model and optimizer the Trial holds, the callbacks' states, the history and the
-    position in the epoch, then trains the healer's next batch beside it. At the first step every
-    replica takes the first one's weights (torchft's ``init_sync``).
+    Each process is a torchft replica group of one. At every step it joins the lighthouse's quorum of live
+    replicas, averages its gradients over them (before ``backward()`` returns, so every ``on_backward``
+    callback sees the average) and steps every optimizer the Trial holds only if torchft commits the step: a
+    step during which a replica was lost is dropped on every survivor, who go on among themselves. A replica
+    that starts while others train heals at the start of ``run()`` from a healthy one (every model and
+    optimizer the Trial holds, the callbacks' states, the history, the position in the epoch) and trains the
+    healer's next batch beside it. At the first step every replica takes the first one's weights (torchft's
+    ``init_sync``). With ``every_step=False`` it does neither at each step: :class:`~torchbearer_dist.DiLoCo`'s
+    meetings go through it instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
 
-    At each epoch end the epoch's figures are averaged over the replicas of the last step, each
-    weighted by its samples (training figures by training samples, ``val_`` figures by validation
-    samples); ``state[WRITER]`` is True on one live replica, where :class:`~torchbearer_dist.Checkpoint`
-    writes.
+    At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
+    figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
+    replica, where :class:`~torchbearer_dist.Checkpoint` writes.
 
     Example:
 
@@ -49,20 +48,16 @@ class FaultTolerantAllReduce(Callback):
         lighthouse (str): the lighthouse's address, ``HOST:PORT``; None or True reads ``$TORCHFT_LIGHTHOUSE``
         replica_id (str): this replica's name, the same when it restarts (default: the host name)
         min_replicas (int): steps wait, up to ``timeout``, for at least this many live replicas
-        timeout (float): seconds for a collective and a heal (a quorum: three times as long); a lost
-            replica stalls the others about this long at most. Keep the lighthouse's join timeout at least
-            as long
-        host (str): the address other replicas reach this one at (default: its address on the route to
-            the lighthouse)
+        timeout (float): seconds for a collective and a heal (a quorum: three times as long): how long a lost
+            replica stalls the others at most. Keep the lighthouse's join timeout at least as long
+        host (str): the address other replicas reach this one at (default: the one on the route to the lighthouse)
         loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed
-        every_step (bool): False: no quorum nor averaging at each step; :class:`~torchbearer_dist.DiLoCo`'s
-            meetings go through ``meet()`` instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``)
+        every_step (bool): False: no quorum nor averaging at each step, DiLoCo's meetings through ``meet()``
 
     Raises:
         ValueError: a bad option
-        RuntimeError: torchft is missing; the lighthouse does not answer (named); no quorum of
-            ``min_replicas`` within ``timeout``; this replica cannot heal (another model, another
-            package version), raised on this replica only; a process group of several processes
+        RuntimeError: torchft is missing; the lighthouse does not answer (named); no quorum of ``min_replicas``
+            within ``timeout``; this replica cannot heal (another model or version: on it only); a process group
 
     State Requirements:
         - :attr:`torchbearer.state.MODEL`, :attr:`torchbearer.state.OPTIMIZER` and any other held module
@@ -85,18 +80,15 @@ class FaultTolerantAllReduce(Callback):
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
-        self.replica = None
+        self.replica, self._hooks = None, []
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
-        self._hooks = []
         self._reset()
 
     def _reset(self):
         self._state = self._pending = None
         self._open = self._in_step = self._averaged = self._queued = self._meets = self._passing = False
-        self._commit = None
-        self._params, self._gated = [], []
-        self._samples = {'train': 0, 'val': 0}
+        self._commit, self._params, self._gated, self._samples = None, [], [], {'train': 0, 'val': 0}
 
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
 
@@ -105,8 +97,8 @@ class FaultTolerantAllReduce(Callback):
             return  # evaluate() and predict() set their loader before on_start; run() does not: no quorum there
         if collectives.world_size() > 1:
             raise RuntimeError('the fault-tolerant mode runs one process per replica group, but this process is in a '
-                               'process group of {}; start each replica alone (no torchrun/launch process '
-                               'group)'.format(collectives.world_size()))
+                               'process group of {}; start each replica alone (no torchrun/launch process group)'
+                               .format(collectives.world_size()))
         self._release()
         self._reset()
         self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
@@ -181,14 +173,10 @@ class FaultTolerantAllReduce(Callback):
                     p.grad.copy_(average.view_as(p))
 
     def meet(self, engine, trained, quorum=True):
-        """A DiLoCo meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`), after a quorum if ``quorum``.
+        """DiLoCo's meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`); True if committed.
 
-        A replica behind heals at that quorum (DiLoCo's state: the healer's anchor) and counts as not trained. A
-        meeting that ends a training pass takes no new replica (torchft's ``shrink_only``): one healed there would
-        start a pass with no batch left, which torchbearer cannot end; it joins at the next meeting.
-
-        Returns:
-            bool: whether torchft committed the meeting (the outer step taken)
+        After a quorum (``quorum``), where a replica behind heals and counts as not trained; one that ends a pass
+        takes no new replica (``shrink_only``: healed there, it would start a pass with no batch left).
         """
         if quorum:
             heals, self._meets, state = self.heals, True, self._state()
@@ -201,12 +189,9 @@ class FaultTolerantAllReduce(Callback):
         return meeting.meet(self.replica.manager, engine, trained)
 
     def _gate(self, state):
-        """Every optimizer of the Trial steps only if torchft commits the step (decided once per step).
-
-        torchbearer calls ``state[OPTIMIZER].step(closure)`` itself and has no hook between the closure and
-        the update, so the step of each held optimizer is shadowed for the run (an instance attribute,
-        removed at its end, torchft's own ``OptimizerWrapper`` in place).
-        """
+        """Every optimizer of the Trial steps only if torchft commits the step (decided once per step): torchbearer
+        has no hook between the closure and the update, so each held optimizer's ``step`` is shadowed for the run
+        (an instance attribute, removed at its end), as torchft's own ``OptimizerWrapper`` does."""
         for optimizer in _heal.optimizers(state):
             original = optimizer.step
 

@@ -31,10 +31,9 @@ class Lighthouse:
     Args:
         bind (str): ``HOST:PORT`` to listen on (port 0: any free port)
         min_replicas (int): the fewest live replicas that make a quorum
-        join_timeout (float): seconds a quorum waits for a replica that is alive (it heartbeats) but has not asked
-            for the next step yet, before going on without it. Keep it at least the replicas' ``timeout``: a
-            replica stuck that long in a collective with a lost peer must not find that a replica starting
-            meanwhile formed a quorum without it (two quorums training apart)
+        join_timeout (float): seconds a quorum waits for a live (heartbeating) replica that has not asked yet; at
+            least the replicas' ``timeout``, so that one stuck that long with a lost peer is not left out of a
+            quorum a starting replica forms meanwhile (two quorums training apart)
         heartbeat_timeout (float): seconds without a heartbeat after which a replica counts as lost
 
     Raises:
@@ -42,8 +41,7 @@ class Lighthouse:
         RuntimeError: torchft is missing, or ``bind`` cannot be bound
     """
 
-    def __init__(self, bind=DEFAULT_BIND, min_replicas=1, join_timeout=60.0,
-                 heartbeat_timeout=5.0):
+    def __init__(self, bind=DEFAULT_BIND, min_replicas=1, join_timeout=60.0, heartbeat_timeout=5.0):
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
             raise ValueError('min_replicas should be an integer >= 1, but given {!r}'.format(min_replicas))
         for name, value in (('join_timeout', join_timeout), ('heartbeat_timeout', heartbeat_timeout)):

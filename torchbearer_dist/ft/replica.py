@@ -1,9 +1,5 @@
-"""This process as one torchft replica group: its store, its reconfigurable gloo group and its Manager.
-
-Everything here is torchft's public API (``torchft.Manager``, ``torchft.ProcessGroupGloo``,
-``torchft.coordination.LighthouseClient``); the callback that drives it through a Trial's steps is
-:class:`~torchbearer_dist.ft.callback.FaultTolerant`.
-"""
+"""This process as one torchft replica group: its store, its gloo group and its Manager (torchft's public API only;
+:class:`~torchbearer_dist.ft.callback.FaultTolerantAllReduce` drives it through a Trial)."""
 import logging
 import os
 import socket
@@ -22,14 +18,7 @@ INSTALL = 'pip install "torchbearer_dist[ft]"'
 
 
 def require_torchft():
-    """Import torchft, or raise a one-line error saying how to install it.
-
-    Returns:
-        the ``torchft`` package (a module)
-
-    Raises:
-        RuntimeError: torchft is not installed
-    """
+    """The ``torchft`` package, imported; a one-line RuntimeError saying how to install it where it is missing."""
     try:
         import torchft
         import torchft.coordination  # noqa: F401
@@ -40,11 +29,8 @@ def require_torchft():
 
 
 def lighthouse_address(lighthouse):
-    """``lighthouse`` as a URL (``http://host:port``), from ``host:port``, a URL, or ``$TORCHFT_LIGHTHOUSE``.
-
-    Raises:
-        ValueError: no address given and ``TORCHFT_LIGHTHOUSE`` unset, or an address without a port
-    """
+    """``lighthouse`` (``host:port``, a URL, or None/True: ``$TORCHFT_LIGHTHOUSE``) as ``http://host:port``; a
+    ValueError where none is given or it has no port."""
     if lighthouse in (None, True):
         lighthouse = os.environ.get('TORCHFT_LIGHTHOUSE')
         if not lighthouse:
@@ -68,9 +54,8 @@ def check_lighthouse(url, timeout):
     try:
         LighthouseClient(url, connect_timeout=timedelta(seconds=timeout))  # connects, or raises
     except Exception:  # torchft raises RuntimeError with a Rust transport chain of several lines
-        raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it (python -m '
-                           'torchbearer_dist.ft --min-replicas N) or pass its address'.format(
-                               url, timeout)) from None
+        raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it (python -m torchbearer_dist.ft '
+                           '--min-replicas N) or pass its address'.format(url, timeout)) from None
 
 
 def _transport(host, timeout):
@@ -89,16 +74,8 @@ def _transport(host, timeout):
 class Replica:
     """This process as a replica group of one: a TCPStore, a torchft gloo group and a ``torchft.Manager``.
 
-    The Manager averages through the group over the replicas the lighthouse puts in each step's
-    quorum, and serves this replica's state (``state_dict()``) to replicas that heal from it, or
-    loads a healthy one's (``load_state_dict``) when this one is behind.
-
-    Example:
-
-        .. code-block:: python
-
-            replica = Replica('127.0.0.1:29510', 'replica-0', load_state_dict, state_dict)
-            replica.manager.start_quorum()
+    The Manager averages through the group over the replicas of each quorum, and serves this replica's
+    state (``state_dict()``) to replicas that heal from it, or loads a healthy one's (``load_state_dict``).
 
     Args:
         lighthouse (str): the lighthouse's URL
@@ -107,8 +84,7 @@ class Replica:
         state_dict (callable): this replica's state, sent to a replica that heals from it
         min_replicas (int): fewer live replicas than this and the others wait (up to ``timeout``)
         timeout (float): seconds for a collective and a heal; a quorum may take three times as long
-        host (str): the address other replicas reach this one at (default: this machine's address on the
-            route to the lighthouse)
+        host (str): the address other replicas reach this one at (default: the one on the route to the lighthouse)
 
     Raises:
         RuntimeError: torchft is missing, or the lighthouse does not answer within ``timeout``
@@ -122,9 +98,8 @@ class Replica:
         self.host = host or route_source(parsed.hostname, parsed.port) or socket.gethostname()
         logging.getLogger('torchft').setLevel(logging.WARNING)
         # The replica group's own store: one process per group, so this process is its master.
-        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout))
         limit = timedelta(seconds=timeout)
+        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
         self.group = torchft.ProcessGroupGloo(timeout=limit)
         self.manager = torchft.Manager(
             pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
@@ -134,14 +109,10 @@ class Replica:
         self.timeout, self.min_replicas = timeout, min_replicas
 
     def start_quorum(self, shrink_only=False):
-        """Join this step's quorum (healing here if behind); a lost lighthouse or too few replicas in one line.
-
-        Args:
-            shrink_only (bool): a quorum of the last one's replicas only (one that joins waits for the next)
+        """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only.
 
         Raises:
-            RuntimeError: no quorum within the timeout: the lighthouse no longer answers (named), or fewer
-                replicas than the minimum asked for one
+            RuntimeError: no quorum within the timeout: the lighthouse no longer answers (named), or too few replicas
 
         .. warning:: A synchronization point with the lighthouse and the other live replicas.
         """
