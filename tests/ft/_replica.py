@@ -20,18 +20,20 @@ import torchbearer_dist as tbd
 
 
 class Progress(Callback):
-    """Prints each step and sleeps ``sleep`` s; at its ``gate_step``-th step waits for the file ``gate``."""
+    """Prints each step and sleeps ``sleep`` s; at the run's ``gate_step``-th step (counted from the run's start,
+    as every replica counts it, whenever this one joined) waits for the file ``gate``."""
 
     def __init__(self, sleep, gate=None, gate_step=None):
         super().__init__()
-        self.sleep, self.gate, self.gate_step, self.steps = sleep, gate, gate_step, 0
+        self.sleep, self.gate, self.gate_step = sleep, gate, gate_step
 
     def on_step_training(self, state):
         print('STEP', state[torchbearer.EPOCH], state[torchbearer.BATCH], flush=True)
-        self.steps += 1
-        if self.gate is not None and self.steps == self.gate_step:
+        step = state[torchbearer.EPOCH] * state[torchbearer.STEPS] + state[torchbearer.BATCH] + 1
+        if self.gate is not None and step >= self.gate_step:
+            gate, self.gate = self.gate, None
             end = time.monotonic() + 120
-            while not os.path.exists(self.gate) and time.monotonic() < end:
+            while not os.path.exists(gate) and time.monotonic() < end:
                 time.sleep(0.05)
         time.sleep(self.sleep)
 

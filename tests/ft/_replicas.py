@@ -44,6 +44,11 @@ class Replicas:
     def steps(self, i):
         return self.out(i).count('STEP ')
 
+    def position(self, i, per_epoch=60):
+        """The run's step that replica ``i`` trained last, counted from the run's start (0: none yet)."""
+        lines = [line.split() for line in self.out(i).splitlines() if line.startswith('STEP ')]
+        return int(lines[-1][1]) * per_epoch + int(lines[-1][2]) + 1 if lines else 0
+
     def wait_for(self, what, deadline, i=None):
         """Poll ``what()`` until true; fail at ``deadline`` seconds with every replica's output."""
         end = time.monotonic() + deadline
@@ -86,7 +91,8 @@ def train_together(tmp_path, args, deadline):
 
 
 def kill_one_and_heal(replicas, lost_bound, *extra):
-    """Three replicas, 60 steps per epoch, 2 epochs; replica 1 killed with SIGKILL in its first epoch, then restarted.
+    """Three replicas, 60 steps per epoch, 2 epochs; replica 1 killed with SIGKILL past the run's 20th step (before
+    the 80th, where the survivors wait for its replacement; however late it joined), then restarted.
 
     ``extra``: more options of every replica. Asserts that the survivors go on within ``lost_bound`` seconds
     without restarting, and that the restarted one heals and ends with the survivors' weights, bit for bit,
@@ -96,9 +102,9 @@ def kill_one_and_heal(replicas, lost_bound, *extra):
         float: seconds from the kill until both survivors had trained 3 more steps
     """
     args = ('--epochs', '2', '--sleep', '0.05', *extra)
-    gate = str(replicas.tmp_path / 'gate')  # the survivors hold at their 40th step until the replacement is up
-    first = [replicas.start(r, *args, '--gate', gate, '--gate-step', '40') for r in range(3)]
-    replicas.wait_for(lambda: replicas.steps(first[1]) >= 20, STARTUP + 60)
+    gate = str(replicas.tmp_path / 'gate')  # the survivors hold at the run's 80th step until the replacement is up
+    first = [replicas.start(r, *args, '--gate', gate, '--gate-step', '80') for r in range(3)]
+    replicas.wait_for(lambda: replicas.position(first[1]) >= 20, STARTUP + 60)
     os.kill(replicas.process(first[1]).pid, signal.SIGKILL)
     killed_at, before = time.monotonic(), [replicas.steps(i) for i in (first[0], first[2])]
     replicas.wait_for(lambda: min(replicas.steps(first[0]) - before[0], replicas.steps(first[2]) - before[1]) >= 3,
