@@ -78,7 +78,7 @@ class DiLoCo(Callback):
             its progress since (the anchors are compared, bit for bit); 0: each meeting blocks; below
             ``local_steps``; None (the default): 2, or ``local_steps - 1`` when that is less. The
             run's last meeting blocks.
-        meetings (FaultTolerantAllReduce): the fault-tolerant mode's, whom meetings go through (:doc:`/fault_tolerance`)
+        meetings (FaultTolerantAllReduce): in the fault-tolerant mode, the replica meetings go through (fp32, blocking)
 
     Raises:
         ValueError: a bad option (``local_steps`` < 1, an unknown ``compression``, ``'powersgd'``, ``overlap_steps``
