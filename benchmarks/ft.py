@@ -1,13 +1,17 @@
 """The fault-tolerant mode (torchft) measured: per-step cost, stall per failure, heal time, accuracy under chaos.
 
     python benchmarks/ft.py cost --model cnn --repeats 3   # ms per step: fail-fast mode against torchft's Manager
+    python benchmarks/ft.py cost --model cnn1m --link 1gbit  # the same on two namespace hosts, a 1 Gbit/s link
     python benchmarks/ft.py faults --kills 3        # survivors' stall per kill -9, the replacement's heal time
     python benchmarks/ft.py chaos --minutes 2       # the example under random kills against no kills
 
-Every process runs on this machine over loopback; a lighthouse runs in this process. Results (medians,
-the load average at the end) go to benchmarks/results/ft/. Never part of the tests.
+Every process runs on this machine over loopback, a lighthouse in this process; with ``--link`` (cost, as
+root) replica i runs on network-namespace host i (benchmarks/netns.py), each host's sending side shaped
+to that rate, the lighthouse on host 0; with ``--netns`` (chaos) likewise, unshaped. Results (medians,
+the load average at the start and the end) go to benchmarks/results/ft/. Never part of the tests.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -60,6 +64,8 @@ def _worker(args):
     if args.mode == 'ft':
         import torchft
 
+        from torchbearer_dist.ft import FaultTolerantAllReduce
+
         def timed(name, method):  # the Manager's own rounds per step, timed in this process (benchmark only)
             def wrapper(*a, **k):
                 started = time.perf_counter()
@@ -70,19 +76,27 @@ def _worker(args):
             return wrapper
         torchft.Manager.start_quorum = timed('Q', torchft.Manager.start_quorum)
         torchft.Manager.should_commit = timed('C', torchft.Manager.should_commit)
+        FaultTolerantAllReduce._average = timed('A', FaultTolerantAllReduce._average)  # flatten, all-reduce, copy back
         run(tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
-                                      timeout=args.timeout))
+                                      min_replicas=args.min_replicas, timeout=args.timeout))
     else:
-        with tbd.process_group(rank=args.replica, world_size=args.replicas, host='127.0.0.1', port=args.port,
+        options = {'overlap': False} if args.mode == 'sync-flat' else {}  # sync-flat: all-reduce after backward, as ft
+        with tbd.process_group(rank=args.replica, world_size=args.replicas, host=args.host, port=args.port,
                                timeout=args.timeout):
-            run(tbd.distributed_callbacks(report=False))
+            run(tbd.distributed_callbacks(report=False, **options))
 
 
-def _start(mode, replica, opts, lighthouse='', port=0, log=None):
+def _start(mode, replica, opts, lighthouse='', port=0, log=None, hosts=None):
+    """A worker process; on host ``replica`` of ``hosts`` (namespaces) if given, rank 0's store on host 0."""
     command = [sys.executable, os.path.abspath(__file__), 'worker', '--mode', mode, '--replica', str(replica),
                '--replicas', str(opts.replicas), '--model', opts.model, '--steps', str(opts.steps), '--batch',
-               str(opts.batch), '--epochs', str(opts.epochs), '--lighthouse', lighthouse, '--port', str(port)]
+               str(opts.batch), '--epochs', str(opts.epochs), '--lighthouse', lighthouse, '--port', str(port),
+               '--host', hosts.address(0) if hosts else '127.0.0.1', '--timeout', str(opts.timeout),
+               '--min-replicas', str(opts.replicas if opts.what == 'cost' else 1)]
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT + os.pathsep + HERE)
+    if hosts is not None:  # gloo on the host's own link: its host name resolves outside the namespace
+        env['GLOO_SOCKET_IFNAME'] = hosts.links[replica]
+        command = hosts.command(replica, command)
     return subprocess.Popen(command, stdout=log or subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
                             env=env, start_new_session=True)
 
@@ -104,35 +118,74 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _lighthouse():
+def _lighthouse(min_replicas=1):
     from torchbearer_dist.ft import Lighthouse
-    return Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=60.0, heartbeat_timeout=2.0)
+    return Lighthouse(bind='127.0.0.1:0', min_replicas=min_replicas, join_timeout=60.0, heartbeat_timeout=2.0)
+
+
+#: cost's modes: the fail-fast mode (the package's default set), the same with its all-reduce after backward
+#: (no overlap, as the fault-tolerant mode's), and torchft's Manager.
+COST_MODES = ('sync', 'sync-flat', 'ft')
+
+
+def _median_of(outs, name, skip_lines=10):
+    """Median of the ``name ms`` lines the workers printed (their first ``skip_lines`` lines left out), or None."""
+    values = [float(line.split()[1]) for out in outs for line in out.splitlines()[skip_lines:]
+              if line.startswith(name + ' ')]
+    return round(statistics.median(values), 3) if values else None
 
 
 def cost(opts):
-    """ms per step of the same job, alternately in the fail-fast mode and through torchft's Manager."""
+    """ms per step of the same job in each mode, the modes interleaved in every repeat (order rotated).
+
+    On loopback each run has a lighthouse of its own in this process; with ``--link`` the two replicas (or
+    ranks) run on two namespace hosts whose sending sides are shaped to that rate, the lighthouse on host 0
+    (one for the whole run: the modes between two ft runs outlast its heartbeat timeout).
+    """
+    modes = opts.modes.split(',')
+    unknown = [m for m in modes if m not in COST_MODES]
+    if unknown:
+        raise SystemExit('unknown modes {}: choose among {}'.format(','.join(unknown), ','.join(COST_MODES)))
     rows = []
-    for repeat in range(opts.repeats):
-        for mode in ('sync', 'ft'):
-            with _lighthouse() as lighthouse:
-                port = _free_port()
-                procs = [_start(mode, r, opts, lighthouse.address, port) for r in range(opts.replicas)]
-                outs = [p.communicate(timeout=600)[0] for p in procs]
-            ms = statistics.median(_ms_per_step(_times(out), skip=5) for out in outs)
-            rows.append({'repeat': repeat, 'mode': mode, 'ms_per_step': round(ms, 2)})
-            for name, what in (('Q', 'quorum_ms'), ('C', 'commit_ms')):
-                values = [float(line.split()[1]) for out in outs for line in out.splitlines()[10:]
-                          if line.startswith(name + ' ')]
-                if values:
-                    rows[-1][what] = round(statistics.median(values), 3)
-            print(rows[-1], flush=True)
-    sync = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == 'sync')
-    ft = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == 'ft')
-    ratios = sorted(b['ms_per_step'] / a['ms_per_step'] for a, b in zip(rows[::2], rows[1::2]))
-    rounds = [r['quorum_ms'] + r['commit_ms'] for r in rows if 'quorum_ms' in r]
-    return {'rows': rows, 'sync_ms': sync, 'ft_ms': ft, 'ft_over_sync': round(ft / sync, 3),
-            'paired_ratio_median': round(statistics.median(ratios), 3),
-            'manager_rounds_ms_median': round(statistics.median(rounds), 3)}
+    link = None if opts.link == 'none' else opts.link
+    # Every quorum waits for all the replicas: a replica that started late would otherwise heal from one that
+    # trained alone meanwhile (cheaper steps), and train fewer steps itself.
+    with (_Namespaces(opts.replicas, link, opts.replicas) if opts.link else contextlib.nullcontext()) as shared:
+        for repeat in range(opts.repeats):
+            for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
+                with (contextlib.nullcontext(shared) if shared else _Loopback(opts.replicas)) as net:
+                    if shared:  # the last run's replicas dropped by the lighthouse (heartbeat timeout 2 s)
+                        time.sleep(3)
+                    port = 29520 + len(rows) if shared else _free_port()  # rank 0's store, on host 0 with --link
+                    procs = [_start(mode, r, opts, net.address, port, hosts=net.hosts) for r in range(opts.replicas)]
+                    outs = [p.communicate(timeout=1800)[0] for p in procs]
+                if any(p.returncode for p in procs) or min(len(_times(out)) for out in outs) < 7:  # 5 skipped
+                    raise RuntimeError('a {} run failed (exit codes {}):\n{}'.format(
+                        mode, [p.returncode for p in procs], outs[0][-2000:]))
+                ms = statistics.median(_ms_per_step(_times(out), skip=5) for out in outs)
+                rows.append({'repeat': repeat, 'mode': mode, 'ms_per_step': round(ms, 2)})
+                for name, what in (('Q', 'quorum_ms'), ('C', 'commit_ms'), ('A', 'all_reduce_ms')):
+                    value = _median_of(outs, name)
+                    if value is not None:
+                        rows[-1][what] = value
+                print(rows[-1], flush=True)
+    result = {'link': opts.link or 'loopback', 'model': opts.model, 'modes': modes, 'rows': rows}
+    for mode in modes:
+        result['{}_ms'.format(mode)] = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == mode)
+    by_repeat = {(r['repeat'], r['mode']): r['ms_per_step'] for r in rows}
+    for mode, base in (('ft', 'sync'), ('ft', 'sync-flat'), ('sync-flat', 'sync')):
+        if mode in modes and base in modes:  # the median of same-repeat ratios, and the ratio of the medians
+            ratios = [by_repeat[(k, mode)] / by_repeat[(k, base)] for k in range(opts.repeats)]
+            result['{}_over_{}'.format(mode, base)] = {
+                'paired_median': round(statistics.median(ratios), 3), 'per_repeat': [round(x, 3) for x in ratios],
+                'of_medians': round(result['{}_ms'.format(mode)] / result['{}_ms'.format(base)], 3)}
+    for name in ('quorum_ms', 'commit_ms', 'all_reduce_ms'):
+        values = [r[name] for r in rows if name in r]
+        if values:
+            result['ft_{}_median'.format(name)] = round(statistics.median(values), 3)
+    if 'ft_quorum_ms_median' in result:
+        result['manager_rounds_ms_median'] = round(result['ft_quorum_ms_median'] + result['ft_commit_ms_median'], 3)
+    return result
 
 
 def faults(opts):
@@ -215,8 +268,11 @@ def _digest(path):
 class _Loopback:
     """The lighthouse in this process, every replica on loopback."""
 
+    def __init__(self, min_replicas=1):
+        self.min_replicas = min_replicas
+
     def __enter__(self):
-        self.lighthouse = _lighthouse()
+        self.lighthouse = _lighthouse(self.min_replicas)
         return self
 
     def __exit__(self, *exc):
@@ -227,19 +283,27 @@ class _Loopback:
 
 
 class _Namespaces:
-    """Replica i on network-namespace host i; the lighthouse on host 0 (benchmarks/netns.py)."""
+    """Replica i on network-namespace host i, each host's sending side shaped to ``link`` (a tc rate, or None:
+    unshaped); the lighthouse on host 0 (benchmarks/netns.py)."""
 
-    def __init__(self, count):
+    def __init__(self, count, link=None, min_replicas=1):
         from netns import Hosts
-        self.hosts = Hosts(count)
+        self.hosts, self.link, self.min_replicas = Hosts(count), link, min_replicas
 
     def __enter__(self):
         self.hosts.__enter__()
+        try:
+            self.hosts.shape(self.link)
+        except BaseException:
+            self.hosts.__exit__(None, None, None)
+            raise
         self.address = '{}:29510'.format(self.hosts.address(0))
-        self.server = subprocess.Popen(self.hosts.command(0, [
-            sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2']),
-            env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True,
-            stdout=open(os.path.join(OUT, 'lighthouse.log'), 'w'), stderr=subprocess.STDOUT)
+        with open(os.path.join(OUT, 'lighthouse.log'), 'w') as log:
+            self.server = subprocess.Popen(self.hosts.command(0, [
+                sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2',
+                '--min-replicas', str(self.min_replicas)]),
+                env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True, stdout=log,
+                stderr=subprocess.STDOUT)
         time.sleep(3)
         return self
 
@@ -305,7 +369,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('what', choices=('cost', 'faults', 'chaos', 'worker'))
     add = parser.add_argument
-    add('--mode', type=str, default='ft')
+    add('--mode', type=str, default='ft', help='worker: sync, sync-flat or ft')
+    add('--modes', type=str, default=','.join(COST_MODES), help='cost: the modes compared, comma-separated, '
+        'the first the baseline (sync: the fail-fast mode; sync-flat: it without overlap; ft: the Manager)')
+    add('--link', type=str, default=None, choices=('100mbit', '1gbit', '10gbit', 'none'),
+        help='cost: two namespace hosts on a link of this rate (none: unshaped); default loopback (root)')
+    add('--host', type=str, default='127.0.0.1', help="worker: rank 0's address (the fail-fast mode's store)")
     add('--replica', type=int, default=0)
     add('--replicas', type=int, default=None)
     add('--model', type=str, default='cnn')
@@ -315,6 +384,7 @@ def main():
     add('--lighthouse', type=str, default='')
     add('--port', type=int, default=0)
     add('--timeout', type=float, default=10.0)
+    add('--min-replicas', type=int, default=1, help='worker: the fewest replicas a step trains with (cost: all)')
     add('--repeats', type=int, default=3)
     add('--kills', type=int, default=3)
     add('--every', type=float, default=6.0, help='seconds between kills')
@@ -328,11 +398,12 @@ def main():
     opts.replicas = opts.replicas or (2 if opts.what == 'cost' else 3)
     opts.epochs = opts.epochs or {'cost': 1, 'faults': 1000, 'chaos': 5}[opts.what]  # faults: runs until killed
     os.makedirs(OUT, exist_ok=True)
-    started = time.time()
+    started, load_at_start = time.time(), os.getloadavg()
     result = {'cost': cost, 'faults': faults, 'chaos': chaos}[opts.what](opts)
     result.update(command=' '.join(['python', 'benchmarks/ft.py'] + sys.argv[1:]), seconds=round(time.time() - started),
-                  load_average=os.getloadavg())
-    with open(os.path.join(OUT, '{}.json'.format(opts.what)), 'w') as f:
+                  load_average_at_start=load_at_start, load_average=os.getloadavg(), cpus=os.cpu_count())
+    name = opts.what if not (opts.what == 'cost' and opts.link) else 'cost_{}_{}'.format(opts.link, opts.model)
+    with open(os.path.join(OUT, '{}.json'.format(name)), 'w') as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
 
