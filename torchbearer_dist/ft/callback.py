@@ -16,20 +16,25 @@ from torchbearer_dist.ft import _heal
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
 from torchbearer_dist.sync import collectives, meeting
 from torchbearer_dist.sync._autograd import queue_at_backward_end
+from torchbearer_dist.sync.flat_buckets import pack
+
+#: The fail-fast mode's bucket capacities in MiB (AllReduceGradients'): the first bucket, small, leaves early.
+BUCKET_CAP_MB, FIRST_BUCKET_MB = 25.0, 1.0
 
 
 class FaultTolerantAllReduce(Callback):
     """Average gradients over the live replicas through torchft, heal a (re)started replica from a healthy one.
 
     Each process is a torchft replica group of one. At every step it joins the lighthouse's quorum of live
-    replicas, averages its gradients over them (before ``backward()`` returns, so every ``on_backward``
-    callback sees the average) and steps every optimizer the Trial holds only if torchft commits the step: a
-    step during which a replica was lost is dropped on every survivor, who go on among themselves. A replica
-    that starts while others train heals at the start of ``run()`` from a healthy one (every model and
-    optimizer the Trial holds, the callbacks' states, the history, the position in the epoch) and trains the
-    healer's next batch beside it. At the first step every replica takes the first one's weights (torchft's
-    ``init_sync``). With ``every_step=False`` it does neither at each step: :class:`~torchbearer_dist.DiLoCo`'s
-    meetings go through it instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
+    replicas, averages its gradients over them (in buckets sent while backward runs, as the fail-fast mode's, and
+    done before ``backward()`` returns, so every ``on_backward`` callback sees the average) and steps every
+    optimizer the Trial holds only if torchft commits the step: a step during which a replica was lost is
+    dropped on every survivor, who go on among themselves. A replica that starts while others train heals at
+    the start of ``run()`` from a healthy one (every model and optimizer the Trial holds, the callbacks'
+    states, the history, the position in the epoch) and trains the healer's next batch beside it. At the first
+    step every replica takes the first one's weights (torchft's ``init_sync``). With ``every_step=False`` it
+    does neither at each step: :class:`~torchbearer_dist.DiLoCo`'s meetings go through it instead
+    (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
 
     At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
     figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
@@ -89,6 +94,7 @@ class FaultTolerantAllReduce(Callback):
         self._state = self._pending = None
         self._open = self._in_step = self._averaged = self._queued = self._meets = self._passing = False
         self._commit, self._params, self._gated, self._samples = None, [], [], {'train': 0, 'val': 0}
+        self._buckets, self._slots, self._next = [], {}, 0  # the gradient buckets, each parameter's, the next to send
 
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
 
@@ -123,7 +129,11 @@ class FaultTolerantAllReduce(Callback):
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
         self._samples, self._passing = {'train': 0, 'val': 0}, True
-        self._params = [p for _, p in trainable(state)]
+        params = [p for _, p in trainable(state)]
+        if self.every_step and [id(p) for p in params] != [id(p) for p in self._params]:
+            self._buckets = pack(params[::-1], BUCKET_CAP_MB, FIRST_BUCKET_MB)  # in reverse registration order
+            self._slots = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._params = params
         for handle in self._hooks:  # the last epoch's: the trainable set may have changed since
             handle.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
@@ -134,7 +144,9 @@ class FaultTolerantAllReduce(Callback):
         self._samples['train'] += batch_size(state) or 0
         if not self.every_step:
             return
-        self._commit, self._averaged, self._queued, self._in_step = None, False, False, True
+        self._commit, self._averaged, self._queued, self._in_step, self._next = None, False, False, True, 0
+        for bucket in self._buckets:
+            bucket.reset()
         if self._open:
             self._open = False
         else:
@@ -144,8 +156,19 @@ class FaultTolerantAllReduce(Callback):
         self._samples['val'] += batch_size(state) or 0
 
     def _on_grad(self, param):
-        if self._in_step and not self._averaged and not self._queued:
+        """A gradient is in: into its bucket; send each complete bucket whose predecessors were sent (the same
+        order on every replica, whatever order gradients arrive in), as the fail-fast mode does."""
+        if not self._in_step or self._averaged:
+            return
+        if not self._queued:
             self._queued = queue_at_backward_end(self._average)  # runs when this backward pass ends
+        bucket, position = self._slots[id(param)]
+        if not bucket.present[position]:
+            bucket.put(position, param.grad)
+            bucket.present[position] = True
+            bucket.pending -= 1
+            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+                self._send(self._buckets[self._next])
 
     def on_backward(self, state):
         if self._in_step and not self._averaged:
@@ -154,23 +177,21 @@ class FaultTolerantAllReduce(Callback):
     def on_step_training(self, state):
         self._in_step = False
 
-    def _average(self):
-        """One all-reduce per dtype of every trainable gradient over the quorum (a missing one counts as zeros)."""
-        self._averaged = True
-        manager = self.replica.manager
+    def _send(self, bucket):
         op = torch.distributed.ReduceOp.SUM if self._summed else torch.distributed.ReduceOp.AVG
-        by_dtype = {}
-        for p in self._params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            manager.allreduce(flat, reduce_op=op).wait()
-            for p, average in zip(params, torch.split(flat, [g.numel() for g in grads])):
-                if p.grad is None:
-                    p.grad = average.view_as(p)
-                else:
-                    p.grad.copy_(average.view_as(p))
+        bucket.work = self.replica.manager.allreduce(bucket.flat, reduce_op=op)  # in place, on torchft's gloo group
+        self._next += 1
+
+    def _average(self):
+        """Send the buckets backward left (a missing gradient counts as zeros), wait for every one: each ``.grad``
+        is then its bucket's view of the average over the quorum."""
+        self._averaged = True
+        for bucket in self._buckets[self._next:]:
+            bucket.fill()
+            self._send(bucket)
+        for bucket in self._buckets:
+            bucket.work.wait()  # an error is torchft's to report: the step is then not committed
+            bucket.unpack()
 
     def meet(self, engine, trained, quorum=True):
         """DiLoCo's meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`); True if committed.
