@@ -76,7 +76,8 @@ def _worker(args):
             return wrapper
         torchft.Manager.start_quorum = timed('Q', torchft.Manager.start_quorum)
         torchft.Manager.should_commit = timed('C', torchft.Manager.should_commit)
-        FaultTolerantAllReduce._average = timed('A', FaultTolerantAllReduce._average)  # flatten, all-reduce, copy back
+        # what is left at the end of backward: the buckets not yet sent, every wait, the copy back
+        FaultTolerantAllReduce._average = timed('A', FaultTolerantAllReduce._average)
         run(tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
                                       min_replicas=args.min_replicas, timeout=args.timeout))
     else:
