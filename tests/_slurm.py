@@ -152,14 +152,15 @@ def one_node(tmp_path):
             if all(d.poll() is None for d in daemons):
                 cluster.cancel_all()
         finally:
-            _stop(daemons)
+            stop_daemons(daemons)
             for pid, command in cluster.processes():
                 cluster.leftovers.append((pid, command))
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
 
-def _stop(processes):
+def stop_daemons(processes):
+    """SIGTERM each daemon's session, wait up to 10 s each, then SIGKILL whatever of its session is left."""
     for process in processes:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)

@@ -12,9 +12,9 @@ import shlex
 import time
 
 import pytest
-from _slurm import REQUIRES, START_SECONDS, one_node
 
 from _dist import LOAD_SLACK, STARTUP, python
+from _slurm import REQUIRES, START_SECONDS, one_node
 
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 

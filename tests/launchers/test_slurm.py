@@ -7,11 +7,10 @@ root, a daemon that refuses this machine), the test skips saying why.
 import os
 import re
 
-from _slurm import REQUIRES, SLURM, one_node
-
 from torchbearer_dist.runtime.launcher import free_port
 
 from _dist import ROOT, python, run_command
+from _slurm import REQUIRES, SLURM, one_node
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 #: Seconds one run of the example may take on a busy 2-core machine.

@@ -18,8 +18,9 @@ import time
 
 import pytest
 
-from _dist import ROOT, child_env, kill_session, run_command
+from _dist import ROOT, child_env, run_command
 from _netns import TwoHosts
+from _slurm import stop_daemons
 
 SLURM = {name: shutil.which(name) for name in ('slurmctld', 'slurmd', 'srun', 'sinfo', 'unshare')}
 EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
@@ -88,19 +89,6 @@ def _log_tail(directory):
     return '; '.join(tails)
 
 
-def _stop(processes):
-    for process in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_session(process.pid)
-        process.wait()
-
-
 def _kill_namespaces(hosts):
     """SIGKILL, by id, whatever still runs in the two namespaces (a step left by an srun killed at its timeout)."""
     for namespace in hosts.namespaces:
@@ -161,7 +149,7 @@ def cluster(tmp_path):
             hosts.env, hosts.directory = env, directory
             yield hosts
         finally:
-            _stop(daemons)
+            stop_daemons(daemons)
             _kill_namespaces(hosts)
             for folder in etc:
                 shutil.rmtree(folder, ignore_errors=True)
