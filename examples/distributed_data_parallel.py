@@ -122,7 +122,7 @@ def worker(args):
         callbacks = [PrintMetrics(), *tbd.distributed_callbacks(
             flatten_images=True, fault_tolerant=args.lighthouse,
             replica_id='replica{}'.format(args.replica),
-            min_replicas=args.min_replicas)]
+            min_replicas=args.min_replicas, local_steps=args.local_steps)]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')

@@ -16,18 +16,18 @@ EXAMPLE = os.path.join(ROOT, 'examples', 'distributed_data_parallel.py')
 EPOCH_LINE = re.compile(r'^epoch 1/1: loss [\d.]+ acc [\d.]+ val_loss [\d.]+ val_acc ([\d.]+)$', re.M)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_replicas_train_the_example_to_the_same_weights(tmp_path):
+def _two_replicas(folder, *extra):
+    """The example's two replicas beside one lighthouse; their outputs and saved weights."""
+    folder.mkdir()
     with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=30.0, heartbeat_timeout=2.0) as lighthouse:
         processes = [subprocess.Popen(python(EXAMPLE, '--download', 'never', '--fault-tolerant', '--lighthouse',
                                              lighthouse.address, '--replica', str(i), '--replicas', '2', '--epochs',
-                                             '1', '--threads', '1', '--save', str(tmp_path / 'r{}.pt'.format(i))),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                                             '1', '--threads', '1', '--save', str(folder / 'r{}.pt'.format(i)), *extra),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(folder),
                                       start_new_session=True, env=child_env())
                      for i in range(2)]
         try:
-            outputs = [p.communicate(timeout=STARTUP + 180) for p in processes]
+            outputs = [p.communicate(timeout=STARTUP + 120) for p in processes]
         finally:
             for p in processes:
                 kill_session(p.pid)
@@ -35,10 +35,21 @@ def test_two_replicas_train_the_example_to_the_same_weights(tmp_path):
     for p, (out, err) in zip(processes, outputs):
         assert p.returncode == 0, err[-3000:]
         assert float(EPOCH_LINE.search(out).group(1)) > 0.8, out
-    # min_replicas=2: both trained every step together, from the first replica's weights: the same model.
-    assert EPOCH_LINE.search(outputs[0][0]).group(0) == EPOCH_LINE.search(outputs[1][0]).group(0)
-    first, second = (torch.load(tmp_path / 'r{}.pt'.format(i), weights_only=True) for i in range(2))
-    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    weights = [torch.load(folder / 'r{}.pt'.format(i), weights_only=True) for i in range(2)]
+    return [EPOCH_LINE.search(out).group(0) for out, _ in outputs], weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_replicas_train_the_example_to_the_same_weights_every_step_and_with_diloco(tmp_path):
+    every_step = _two_replicas(tmp_path / 'every_step')
+    diloco = _two_replicas(tmp_path / 'diloco', '--local-steps', '32')
+    for lines, (first, second) in (every_step, diloco):
+        # min_replicas=2: both trained together from the first replica's weights: the same model and figures.
+        assert lines[0] == lines[1]
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    # --local-steps reaches the fault-tolerant mode: DiLoCo's meetings, not an average at every step.
+    assert diloco[0][0] != every_step[0][0]
 
 
 @pytest.mark.parametrize('args, message', [
