@@ -16,7 +16,7 @@ from torchbearer_dist.callbacks._step_checks import SKIPPED_STEPS, StepChecks
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
 from torchbearer_dist.callbacks._trainable_set import FollowTrainableSet, SignalBuckets
 from torchbearer_dist.sync import collectives, models
-from torchbearer_dist.sync.flat_buckets import check_options, check_supported
+from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, check_options, check_supported
 
 
 class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
@@ -122,7 +122,7 @@ class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
         steps (see :class:`EvenBatches`).
     """
 
-    def __init__(self, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, sync_every=1,
+    def __init__(self, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=FIRST_BUCKET_MB, compression=None, sync_every=1,
                  on_nonfinite='skip', overlap='auto', powersgd_rank=4, powersgd_start_iter=2, check_divergence=True,
                  loss_reduction='auto'):
         super().__init__()

@@ -16,10 +16,7 @@ from torchbearer_dist.ft import _heal
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
 from torchbearer_dist.sync import collectives, meeting
 from torchbearer_dist.sync._autograd import queue_at_backward_end
-from torchbearer_dist.sync.flat_buckets import pack
-
-#: The fail-fast mode's bucket capacities in MiB (AllReduceGradients'): the first bucket, small, leaves early.
-BUCKET_CAP_MB, FIRST_BUCKET_MB = 25.0, 1.0
+from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, pack
 
 
 class FaultTolerantAllReduce(Callback):

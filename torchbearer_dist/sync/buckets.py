@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 
 from torchbearer_dist.sync._backward_hooks import BackwardHooks
-from torchbearer_dist.sync.flat_buckets import check_options, check_supported, pack, ready_order
+from torchbearer_dist.sync.flat_buckets import (
+    BUCKET_CAP_MB,
+    FIRST_BUCKET_MB,
+    check_options,
+    check_supported,
+    pack,
+    ready_order,
+)
 from torchbearer_dist.sync.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
@@ -68,8 +75,8 @@ class GradientBuckets(BackwardHooks):
     .. warning:: Every armed backward that synchronizes is a synchronization point.
     """
 
-    def __init__(self, params, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, overlap='auto',
-                 sync_every=1, powersgd=None, average=True):
+    def __init__(self, params, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=FIRST_BUCKET_MB, compression=None,
+                 overlap='auto', sync_every=1, powersgd=None, average=True):
         check_options(bucket_cap_mb, compression, overlap)
         self.compression = _COMPRESSION[compression]
         self.world_size = dist.get_world_size()

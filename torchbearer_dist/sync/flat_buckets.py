@@ -10,6 +10,9 @@ the gradients: how many ranks saw their trainable set change) and the stop flag.
 import torch
 import torch.distributed as dist
 
+#: A bucket's capacity in MiB by default, and the first bucket's: small, so that sending starts early.
+BUCKET_CAP_MB, FIRST_BUCKET_MB = 25.0, 1.0
+
 
 def check_options(bucket_cap_mb, compression, overlap):
     """Raise ValueError, naming the value, for a bad bucket capacity, compression or overlap."""
