@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchbearer import Callback
 
 import torchbearer_dist
-from torchbearer_dist import DiLoCo, distributed_callbacks
+from torchbearer_dist import CheckReplicas, DiLoCo, distributed_callbacks
 from torchbearer_dist.sync import stop_flag, wire
 
 from _dist import run_in_step, run_workers, scenario_values  # noqa: I001 (tests/ on sys.path)
@@ -202,6 +202,14 @@ def _no_hooks():
     return None
 
 
+def _check_replicas():
+    try:
+        _trial('mlp', dict(local_steps=2), extra=[CheckReplicas(every=3)])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _resume(directory, overlap_steps=0, every_steps=4, cut=6):
     """Uninterrupted; interrupted at step 6 (the last checkpoint at step 4, 1 after an outer step); resumed.
 
@@ -293,6 +301,7 @@ def _worker(directory):
     torch.set_num_threads(1)
     return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
                         ('second_model', _second_model), ('no_hooks', _no_hooks),
+                        ('check_replicas', _check_replicas),
                         ('resume', functools.partial(_resume, directory)), ('overlap', _overlap),
                         ('overlap_end', _overlap_at_the_end),
                         ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2)),
@@ -366,6 +375,13 @@ def test_an_optimizer_without_step_hooks_is_refused_at_the_start_of_the_run(trai
     for message in scenario_values(trained, 'no_hooks'):
         assert message == ('state[optimizer] (Wrapper) has no register_step_post_hook, which DiLoCo needs to take its '
                            'outer step after the inner one; pass a torch.optim.Optimizer')
+
+
+def test_check_replicas_beside_diloco_is_refused_at_the_start_of_the_run(trained):
+    for message in scenario_values(trained, 'check_replicas'):  # not a divergence error at its first check
+        assert message == ("CheckReplicas(every=3) would compare weights that DiLoCo's ranks hold apart between "
+                           "meetings by design; drop CheckReplicas: DiLoCo compares the replicas at every meeting "
+                           "(check_divergence=True)")
 
 
 def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):

@@ -22,7 +22,9 @@ class CheckReplicas(Callback):
         every (int): steps between checks; also checked at each epoch end
 
     Raises:
-        ValueError: ``every`` is not a positive integer
+        ValueError: ``every`` is not a positive integer; at the start of a run, the Trial also holds
+            :class:`DiLoCo`, whose ranks hold different weights between meetings by design (it
+            compares the replicas at every meeting itself)
 
     .. warning:: A synchronization point every ``every`` steps.
     """
@@ -33,6 +35,14 @@ class CheckReplicas(Callback):
             raise ValueError('every should be an integer >= 1, but given {!r}'.format(every))
         self.every = every
         self._steps = 0
+
+    def on_start(self, state):
+        from torchbearer_dist.callbacks._stop_agreement import callback_list
+        from torchbearer_dist.callbacks.low_communication import DiLoCo
+        if any(isinstance(c, DiLoCo) for c in callback_list(state)):  # the first check would stop the run: say why
+            raise ValueError("CheckReplicas(every={}) would compare weights that DiLoCo's ranks hold apart between "
+                             "meetings by design; drop CheckReplicas: DiLoCo compares the replicas at every meeting "
+                             "(check_divergence=True)".format(self.every))
 
     def on_step_training(self, state):
         self._steps += 1
