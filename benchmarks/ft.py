@@ -393,6 +393,8 @@ def main():
     add('--minutes', type=float, default=2.0)
     add('--seed', type=int, default=0)
     add('--netns', action='store_true', help='chaos: replica i on network-namespace host i (root)')
+    add('--out', type=str, default=None, help='the result file (default: benchmarks/results/ft/WHAT.json, or '
+        'cost_LINK_MODEL.json, which a new run overwrites: name another to keep the stored figures)')
     opts = parser.parse_args()
     if opts.what == 'worker':
         return _worker(opts)
@@ -404,7 +406,7 @@ def main():
     result.update(command=' '.join(['python', 'benchmarks/ft.py'] + sys.argv[1:]), seconds=round(time.time() - started),
                   load_average_at_start=load_at_start, load_average=os.getloadavg(), cpus=os.cpu_count())
     name = opts.what if not (opts.what == 'cost' and opts.link) else 'cost_{}_{}'.format(opts.link, opts.model)
-    with open(os.path.join(OUT, '{}.json'.format(name)), 'w') as f:
+    with open(opts.out or os.path.join(OUT, '{}.json'.format(name)), 'w') as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
 
