@@ -37,10 +37,11 @@ import contenders  # noqa: E402
 import multihost  # noqa: E402
 import netns  # noqa: E402
 import run  # noqa: E402
+import torchbearer  # noqa: E402
 
 BASELINES = ['single-1-thread', 'ddp', 'ours', 'ours-powersgd']
-TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ddp', 'wire_kb_per_step', 'step_ms',
-         'cpu_ms_rank0']
+TABLE = ['link', 'contender', 'samples_per_s', 'ratio_to_single', 'ratio_to_ceiling', 'ratio_to_ddp',
+         'wire_kb_per_step', 'step_ms', 'cpu_ms_rank0']
 ACCURACY = ['contender', 'final_acc', 'final_min', 'final_max', 'minus_sync_points', 'seconds', 'seeds']
 
 
@@ -51,13 +52,29 @@ def diloco_name(local_steps, compression, overlap='default'):
 
 
 def diloco_options(compression, outer, overlap='default'):
-    """DiLoCo's keyword arguments for a wire name, an overlap and the outer options given (none: its defaults)."""
+    """DiLoCo's keyword arguments for a wire name, an overlap and the outer options given (none: its defaults).
+
+    ``int8-chunked`` is the int8 wire as more than two ranks send it (a reduce-scatter, then an all-gather
+    of the averaged chunks), for two ranks, which send their whole vectors in one all-gather otherwise.
+    """
     options = dict(outer)
     if compression != 'default':
-        options['compression'] = None if compression == 'none' else compression
+        options['compression'] = None if compression == 'none' else compression.replace('-chunked', '')
     if overlap != 'default':
         options['overlap_steps'] = int(overlap)
     return options
+
+
+class _Chunked(torchbearer.Callback):
+    """For one run, two ranks average as more do: sync/wire.py's ``WHOLE_UP_TO`` at 0 (a benchmark's switch)."""
+
+    def on_start(self, state):
+        from torchbearer_dist.sync import wire
+        wire.WHOLE_UP_TO = 0
+
+    def on_end(self, state):
+        from torchbearer_dist.sync import wire
+        wire.WHOLE_UP_TO = 2
 
 
 def register(local_steps_list, compressions, outer, overlaps=('default',)):
@@ -69,8 +86,10 @@ def register(local_steps_list, compressions, outer, overlaps=('default',)):
     for h, compression, overlap in ((h, c, o) for h in local_steps_list for c in compressions for o in overlaps):
         name = diloco_name(h, compression, overlap)
         options = diloco_options(compression, outer, overlap)
+        chunked = [_Chunked] if compression.endswith('-chunked') else []
         contenders.CONTENDERS[name] = dict(
-            ranks=0, callbacks=lambda h=h, o=options: [BroadcastParameters(), DiLoCo(local_steps=h, **o)],
+            ranks=0, callbacks=lambda h=h, o=options, c=chunked: [BroadcastParameters()] + [k() for k in c] +
+            [DiLoCo(local_steps=h, **o)],
             note='DiLoCo(local_steps={}, {})'.format(h, options))
         names.append(name)
     return names
@@ -222,11 +241,36 @@ def accuracy_worker(config):
 # --- the parent ---------------------------------------------------------------------------------------------------
 
 
+def per_repeat(raw, config):
+    """Samples/s of every contender in every repeat: ``{contender: [per repeat]}`` (the slowest rank's time)."""
+    model = config['models'][0]
+    seconds = {}
+    for records in raw:
+        for rec in records['records']:
+            if rec['model'] == model and rec['seconds'] is not None:
+                key = (rec['contender'], rec['repeat'])
+                seconds[key] = max(seconds.get(key, 0.0), rec['seconds'])
+    out = {}
+    for (name, _), t in sorted(seconds.items(), key=lambda kv: kv[0][1]):  # repeats in order
+        spec = contenders.CONTENDERS.get(name)
+        if spec is not None:
+            out.setdefault(name, []).append((spec['ranks'] or 2) * spec.get('batch', contenders.BATCH) *
+                                            config['steps'][model] / t)
+    return out
+
+
 def summarize_throughput(link, raw, config):
+    """multihost's rows, with ``ratio_to_ceiling``: the median over repeats of each contender's samples/s over
+    those of the two ranks that never meet (no-sync) in the same repeat, and ``repeats``: every repeat's samples/s."""
     rows = multihost.summarize_link(link, raw, config, 2)
+    repeats = per_repeat(raw, config)
+    ceiling = repeats.get('no-sync')
     for row in rows:
         if row['contender'].startswith('diloco'):
             row['projected'] = row['projected_kb'] = row['projected_step_ms'] = None  # the model knows per-step syncs
+        row['repeats'] = repeats.get(row['contender'])
+        if ceiling and row['repeats']:
+            row['ratio_to_ceiling'] = statistics.median(a / b for a, b in zip(row['repeats'], ceiling))
     return rows
 
 
@@ -311,7 +355,8 @@ def main(argv=None):
         print('DiLoCo benchmark skipped: {}'.format(reason))
         return 0
     names = register(args.local_steps, args.compressions, args.outer, args.overlap_steps)
-    command = 'python benchmarks/diloco.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
+    pinned = 'BENCH_CPUS="{}" '.format(os.environ['BENCH_CPUS']) if os.environ.get('BENCH_CPUS') else ''
+    command = pinned + 'python benchmarks/diloco.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     log = [command, 'before: ' + _uptime()]
     print('DiLoCo benchmark: 2 namespace hosts, links {}, H {}, {} steps a run, {}; {}'.format(
@@ -338,6 +383,9 @@ def main(argv=None):
             if rows:
                 write_csv(os.path.join(args.out, 'throughput.csv'), rows, TABLE + ['samples_per_s_min',
                                                                                    'samples_per_s_max'])
+                with open(os.path.join(args.out, 'repeats.json'), 'w') as f:  # for pooling runs
+                    json.dump({link: {r['contender']: r['repeats'] for r in rows if r['link'] == link}
+                               for link in args.links}, f)
             if not args.skip_accuracy:
                 methods = ['sync'] + [diloco_name(h, args.accuracy_compression) for h in args.local_steps]
                 accuracy_config = dict(accuracy=True, methods=methods, epochs=args.epochs,

@@ -223,7 +223,7 @@ def fmt(value, column):
         return '{:.4f}'.format(value)
     if isinstance(value, float) and column.startswith(('seconds', 'epochs')):
         return '{:.1f}'.format(value)
-    if isinstance(value, float) and column in ('ratio_to_single', 'ratio_to_powersgd_hook'):
+    if isinstance(value, float) and column in ('ratio_to_single', 'ratio_to_powersgd_hook', 'ratio_to_ceiling'):
         return '{:.2f}'.format(value)
     if isinstance(value, float) and column in ('projected', 'wire_kb_per_step', 'projected_kb', 'projected_step_ms'):
         return '{:.0f}'.format(value)

@@ -2,7 +2,8 @@
 
 The references are computed here from the public encode functions: the exact fp32 mean of what each
 rank sent, encoded once more. Three ranks and a length that fills neither a chunk nor a block check
-the padding and the rank-order sums.
+the padding and the rank-order sums; two ranks, which send their whole vectors, get that mean
+rounded only on the way in.
 """
 import pytest
 import torch
@@ -34,9 +35,14 @@ def means():
     return run_workers(_worker, WORLD, deadline=60)
 
 
-def _sent(encoding, values):
+@pytest.fixture(scope='module')
+def two_rank_means():
+    return run_workers(_worker, 2, deadline=60)
+
+
+def _sent(encoding, values, world=WORLD):
     """What a rank's values become on the way in: the encoding, decoded."""
-    padded = torch.zeros(wire.padded_length(LENGTH, WORLD, encoding))
+    padded = torch.zeros(wire.padded_length(LENGTH, world, encoding))
     padded[:LENGTH] = values
     if encoding == 'int8':
         return wire.dequantize(*wire.quantize(padded))
@@ -51,6 +57,15 @@ def test_every_rank_gets_the_same_bits_the_fp32_mean_rounded_once_more(means, en
     sent = [_sent(encoding, _values(r)) for r in range(WORLD)]
     exact = (sent[0] + sent[1] + sent[2]) / WORLD  # fp32, in rank order, as the owner of each chunk adds
     assert torch.equal(got[0], _sent(encoding, exact[:LENGTH])[:LENGTH])
+
+
+@pytest.mark.parametrize('encoding', ['fp16', 'bf16', 'int8'])
+def test_two_ranks_get_the_same_bits_the_fp32_mean_of_what_they_sent(two_rank_means, encoding):
+    got = [rank[encoding] for rank in two_rank_means]
+    assert torch.equal(got[0], got[1])
+    sent = [_sent(encoding, _values(r), world=2) for r in range(2)]
+    assert torch.equal(got[0], ((sent[0] + sent[1]) / 2)[:LENGTH])  # not encoded on the way out
+    assert not torch.equal(got[0], _sent(encoding, got[0], world=2)[:LENGTH])  # which would round it again
 
 
 def test_the_half_types_do_not_round_partial_sums():

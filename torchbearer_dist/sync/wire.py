@@ -5,12 +5,17 @@ An all-reduce in a half type adds in that type: every partial sum is rounded to 
 into one chunk per rank instead. Each rank sends chunk ``j``, encoded, to rank ``j``
 (``all_to_all_single``); rank ``j`` decodes the chunks it received, adds them in fp32 and divides by
 the number of ranks, encodes its averaged chunk once and every rank gathers every averaged chunk
-(``all_gather``). Each value is rounded twice, once on the way in and once on the way out, whatever
-the number of ranks; the sums themselves are exact fp32 sums. Every rank decodes the same gathered
-bytes, so every rank ends with the same values, bit for bit.
+(``all_gather``). Each value is rounded twice, once on the way in and once on the way out; the sums
+themselves are exact fp32 sums. Every rank decodes the same gathered bytes, so every rank ends with
+the same values, bit for bit.
 
 Over a ring this moves what a ring all-reduce of the encoded vector moves: ``2 (N - 1) / N`` times
-its bytes over each rank's link. The encodings:
+its bytes over each rank's link. With two ranks (up to :data:`WHOLE_UP_TO`) that is the whole vector,
+so each rank sends its whole encoded vector instead (one ``all_gather``) and every rank adds both in
+fp32, in rank order: the same bytes in one collective instead of two in turn (the second waiting for
+the first), and each value rounded once.
+
+The encodings:
 
 - ``'fp16'``, ``'bf16'``: the half type, 2 bytes a value.
 - ``'int8'``: blocks of :data:`BLOCK` values, each an fp32 scale (the block's largest magnitude over
@@ -26,6 +31,9 @@ from torchbearer_dist.sync import collectives
 
 #: Values that share one scale in the ``'int8'`` encoding.
 BLOCK = 128
+#: Up to this many ranks each rank sends its whole encoded vector (one all-gather, rounded once): at two ranks
+#: the bytes a reduce-scatter and an all-gather move together; beyond, those two move fewer.
+WHOLE_UP_TO = 2
 #: The encodings :func:`mean` accepts, with the dtype each value travels in.
 ENCODINGS = {'fp16': torch.float16, 'bf16': torch.bfloat16, 'int8': torch.int8}
 
@@ -111,8 +119,10 @@ class PendingMean:
     """:func:`mean` in flight: its collectives posted with ``async_op=True``, to overlap computation.
 
     Construction posts the all-to-all; :meth:`advance` waits for it, adds the chunk this rank owns and
-    posts the all-gather; :meth:`wait` advances if needed and returns the mean. Every rank must call
-    them at the same points (the same step), so that the ranks' collectives match in order.
+    posts the all-gather; :meth:`wait` advances if needed and returns the mean. Up to
+    :data:`WHOLE_UP_TO` ranks, construction posts the one all-gather of the whole vectors and
+    :meth:`advance` does nothing. Every rank must call them at the same points (the same step), so
+    that the ranks' collectives match in order.
 
     Args:
         values (torch.Tensor): 1-D floating, this rank's values, the same length on every rank
@@ -128,25 +138,27 @@ class PendingMean:
         padded = torch.zeros(length, dtype=torch.float32, device=collectives.comm_device(values.device))
         padded[:values.numel()] = values
         sent = _encode(padded, encoding)
+        #: Payload bytes handed to the collectives: the encoded vector, as an all-reduce of it would be handed.
+        self.bytes = wire_bytes(values.numel(), self.world, encoding)
+        self.whole = self.world <= WHOLE_UP_TO
+        if self.whole:  # every rank's whole vector, in rank order
+            self.gathered = [[torch.empty_like(part) for _ in range(self.world)] for part in sent]
+            self.works = [dist.all_gather(pieces, part, group=group, async_op=True)
+                          for pieces, part in zip(self.gathered, sent)]
+            return
         self.received = [torch.empty_like(part) for part in sent]
         # rank j receives every rank's chunk j, in rank order
         self.works = [dist.all_to_all_single(out, part, group=group, async_op=True)
                       for out, part in zip(self.received, sent)]
         self.gathered = None
-        #: Payload bytes handed to the collectives: the encoded vector, as an all-reduce of it would be handed.
-        self.bytes = wire_bytes(values.numel(), self.world, encoding)
 
     def advance(self):
         """Wait for the all-to-all, add this rank's chunk in fp32 (in rank order) and post the all-gather."""
-        if self.gathered is not None:
+        if self.gathered is not None:  # already advanced, or one collective (whole vectors)
             return
         for work in self.works:
             work.wait()
-        mine = _decode(self.received, self.encoding).view(self.world, -1)
-        total = mine[0].clone()
-        for r in range(1, self.world):
-            total += mine[r]
-        total /= self.world
+        total = _sum(_decode(self.received, self.encoding).view(self.world, -1))
         self.gathered, self.works = [], []
         for part in _encode(total, self.encoding):
             pieces = [torch.empty_like(part) for _ in range(self.world)]
@@ -162,4 +174,16 @@ class PendingMean:
         self.advance()
         for work in self.works:
             work.wait()
-        return _decode([torch.cat(pieces) for pieces in self.gathered], self.encoding)[:self.numel].to(self.device)
+        if self.whole:
+            mean = _sum([_decode([pieces[r] for pieces in self.gathered], self.encoding) for r in range(self.world)])
+        else:
+            mean = _decode([torch.cat(pieces) for pieces in self.gathered], self.encoding)
+        return mean[:self.numel].to(self.device)
+
+
+def _sum(vectors):
+    """The mean of ``vectors`` (fp32), added in rank order: the same bits on every rank that adds the same."""
+    total = vectors[0].clone()
+    for vector in vectors[1:]:
+        total += vector
+    return total.div_(len(vectors))
