@@ -70,11 +70,11 @@ class _Chunked(torchbearer.Callback):
 
     def on_start(self, state):
         from torchbearer_dist.sync import wire
-        wire.WHOLE_UP_TO = 0
+        self.saved, wire.WHOLE_UP_TO = wire.WHOLE_UP_TO, 0
 
     def on_end(self, state):
         from torchbearer_dist.sync import wire
-        wire.WHOLE_UP_TO = 2
+        wire.WHOLE_UP_TO = self.saved
 
 
 def register(local_steps_list, compressions, outer, overlaps=('default',)):
