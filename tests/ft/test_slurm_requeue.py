@@ -114,6 +114,9 @@ def test_a_requeued_replica_heals_live_and_ends_bit_identical(tmp_path):
 
         result = cluster.run('scontrol', 'requeue', requeued.id)
         assert result.returncode == 0, result.stderr
+        # Steps alone count from the requeued process's end: SLURM's SIGTERM reaches it some steps after scontrol
+        # returns (3 steps on a loaded machine), steps replica 1 still took part in.
+        wait_for(lambda: not _alive(first), 30)
         before = survivor.steps()
         # SLURM ends the job's processes (SIGTERM) and, once the job has left the node, puts it back in the queue,
         # held until now + 120 s (AuthInfo's cred_expire): PENDING, Reason=BeginTime. On SLURM 22.05 the begin time
@@ -122,7 +125,6 @@ def test_a_requeued_replica_heals_live_and_ends_bit_identical(tmp_path):
         # the requeue: slurmd revoked the job's credential then, and refuses one created in the same second ("Job N
         # already killed, do not launch batch job": the job ends FAILED), which the 120 s hold is there to avoid.
         wait_for(lambda: requeued.show().get('JobState') == 'PENDING', 30)
-        assert not _alive(first), describe()
         assert requeued.show().get('Reason') == 'BeginTime', describe()
         time.sleep(max(0.0, math.floor(time.time()) + 1.1 - time.time()))
         result = cluster.run('scontrol', 'update', 'jobid={}'.format(requeued.id), 'StartTime=now')
@@ -140,9 +142,11 @@ def test_a_requeued_replica_heals_live_and_ends_bit_identical(tmp_path):
     assert [state.get('Restarts') for state in states] == ['0', '1'], describe()
     done = {job.replica: job.done() for job in jobs}  # weights hash, heals, pid, metrics
     # Replica 0's process never restarted: one start, and its DONE line from it. It waited for replica 1 at its
-    # quorum, no step alone (min_replicas=2): at most the step under way when the requeue struck, and its next.
+    # quorum, no step alone (min_replicas=2): the step under way when replica 1 died, the next ones whose quorum
+    # formed before the lighthouse missed its heartbeat, and what the 0.2 s poll of its death let by (3 seen under
+    # load), against the dozens of steps of the seconds replica 1 was down.
     assert survivor.starts() == [(int(done[0][2]), 0)] and survivor.text().count('READY') == 1, describe()
-    assert survivor.steps() == 120 and alone <= 2, (alone, describe())
+    assert survivor.steps() == 120 and alone <= 4, (alone, describe())
     # Replica 1 ended in the process of its second run, which healed from replica 0 and took up its position
     # (not a whole run: the 20 steps or more before the requeue left out).
     assert requeued.starts() == [(first, 0), (int(done[1][2]), 1)] and int(done[1][2]) != first, describe()
