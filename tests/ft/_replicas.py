@@ -118,7 +118,8 @@ def kill_one_and_heal(replicas, lost_bound, *extra):
     digests = {i: replicas.done(i) for i in (first[0], first[2], restarted)}
     # The survivors never restarted: the DONE line comes from the very processes started first.
     for i in (first[0], first[2]):
-        assert int(digests[i][2]) == replicas.process(i).pid and replicas.process(i).wait(30) == 0
+        code = replicas.process(i).wait(30)  # once in three clean-clone runs a survivor exited non-zero: say how
+        assert int(digests[i][2]) == replicas.process(i).pid and code == 0, (i, code, replicas.describe())
     assert replicas.process(restarted).wait(30) == 0, replicas.describe()
     assert int(digests[restarted][1]) >= 1, 'the restarted replica did not heal: {}'.format(replicas.describe())
     # Bit-identical weights on all three, and the same global metrics.
