@@ -244,16 +244,10 @@ def accuracy_worker(config):
 def per_repeat(raw, config):
     """Samples/s of every contender in every repeat: ``{contender: [per repeat]}`` (the slowest rank's time)."""
     model = config['models'][0]
-    seconds = {}
-    for records in raw:
-        for rec in records['records']:
-            if rec['model'] == model and rec['seconds'] is not None:
-                key = (rec['contender'], rec['repeat'])
-                seconds[key] = max(seconds.get(key, 0.0), rec['seconds'])
     out = {}
-    for (name, _), t in sorted(seconds.items(), key=lambda kv: kv[0][1]):  # repeats in order
+    for (of, name, _), t in sorted(run.slowest_seconds(raw).items(), key=lambda kv: kv[0][2]):  # repeats in order
         spec = contenders.CONTENDERS.get(name)
-        if spec is not None:
+        if of == model and spec is not None:
             out.setdefault(name, []).append((spec['ranks'] or 2) * spec.get('batch', contenders.BATCH) *
                                             config['steps'][model] / t)
     return out

@@ -73,15 +73,23 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def slowest_seconds(raw):
+    """``{(model, contender, repeat): seconds}``, the slowest rank's: what a synchronous job's time is."""
+    seconds = {}
+    for records in raw:
+        for rec in records['records']:
+            if rec['seconds'] is not None:
+                key = (rec['model'], rec['contender'], rec['repeat'])
+                seconds[key] = max(seconds.get(key, 0.0), rec['seconds'])
+    return seconds
+
+
 def summarize(raw, config):
     """Per model and contender: medians of throughput and of within-repeat ratios."""
     by_rank = [r['records'] for r in raw]
-    seconds, rss, cpu = {}, {}, {}
+    seconds, rss, cpu = slowest_seconds(raw), {}, {}
     for rank, records in enumerate(by_rank):
         for rec in records:
-            key = (rec['model'], rec['contender'], rec['repeat'])
-            if rec['seconds'] is not None:
-                seconds[key] = max(seconds.get(key, 0.0), rec['seconds'])
             if rec.get('cpu') is not None and rank == 0:
                 cpu[(rec['model'], rec['contender'], rec['repeat'])] = rec['cpu']
             if rec['rss_mib'] is not None:
