@@ -253,18 +253,25 @@ def per_repeat(raw, config):
     return out
 
 
+def paired(mine, theirs):
+    """The median over repeats of ``mine / theirs`` in the same repeat (None if either is missing)."""
+    return statistics.median(a / b for a, b in zip(mine, theirs)) if mine and theirs else None
+
+
 def summarize_throughput(link, raw, config):
-    """multihost's rows, with ``ratio_to_ceiling``: the median over repeats of each contender's samples/s over
-    those of the two ranks that never meet (no-sync) in the same repeat, and ``repeats``: every repeat's samples/s."""
+    """multihost's rows, their ratios the median over repeats of each contender's samples/s over another's in the
+    same repeat: one machine's (``ratio_to_single``), the two ranks' that never meet (``ratio_to_ceiling``), DDP's;
+    and ``repeats``: every repeat's samples/s. (multihost's ratios of the medians, kept where a repeat is missing,
+    let the host's drift over a run fall on one side of a ratio.)"""
     rows = multihost.summarize_link(link, raw, config, 2)
     repeats = per_repeat(raw, config)
-    ceiling = repeats.get('no-sync')
     for row in rows:
         if row['contender'].startswith('diloco'):
             row['projected'] = row['projected_kb'] = row['projected_step_ms'] = None  # the model knows per-step syncs
         row['repeats'] = repeats.get(row['contender'])
-        if ceiling and row['repeats']:
-            row['ratio_to_ceiling'] = statistics.median(a / b for a, b in zip(row['repeats'], ceiling))
+        row['ratio_to_ceiling'] = paired(row['repeats'], repeats.get('no-sync'))
+        for column, other in (('ratio_to_single', 'single-1-thread'), ('ratio_to_ddp', 'ddp')):
+            row[column] = paired(row['repeats'], repeats.get(other)) or row.get(column)
     return rows
 
 

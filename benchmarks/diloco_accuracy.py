@@ -79,6 +79,8 @@ def train(model_name, local_steps, outer, compression, overlap, seed, data, epoc
         compression, {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1]), overlap)
     callbacks = tbd.distributed_callbacks(flatten_images=model_name == 'mlp', local_steps=local_steps, report=False,
                                           **options)
+    if str(compression).endswith('-chunked'):  # two ranks average as more do: rounded on the way in and out
+        callbacks.insert(0, diloco._Chunked())
     trial = Trial(model, optimizer, torch.nn.CrossEntropyLoss(), metrics=['acc'], callbacks=callbacks, verbose=0)
     trial.with_generators(DataLoader(train_set, batch_size=32, sampler=DistributedSampler(train_set, seed=seed)),
                           val_generator=DataLoader(test_set, batch_size=500,

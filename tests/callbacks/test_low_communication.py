@@ -345,8 +345,8 @@ def test_the_communication_report_counts_the_outer_steps_traffic(trained):
     rank0, rank1 = scenario_values(trained, 'nesterov_bn')
     model = _model('bn', SEED)
     floating = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    # pseudo-gradients in the default int8 wire: a byte a value (padded to whole blocks) and a scale a block
-    per_outer_step = (wire.wire_bytes(sum(p.numel() for p in model.parameters()), 2, 'int8')
+    # pseudo-gradients in the default int4 wire: half a byte a value (padded to whole blocks) and a scale a block
+    per_outer_step = (wire.wire_bytes(sum(p.numel() for p in model.parameters()), 2, 'int4')
                       + 8 * (floating + 1)  # BatchNorm's statistics and the stop flag, as float64
                       + 8)  # num_batches_tracked, broadcast from rank 0
     # and a stop flag, one float64, at the steps 1, 9, 17, ... of the run
@@ -401,7 +401,7 @@ def test_a_run_resumed_between_two_outer_steps_ends_bit_identical(trained):
      r'^overlap_steps should be an integer >= 0 and below local_steps \(4\), but given 4$'),
     (lambda: DiLoCo(overlap_steps=-1), r'^overlap_steps should be an integer >= 0 and below local_steps \(50\), but '
                                        r'given -1$'),
-    (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16', 'bf16' or 'int8' \(what "
+    (lambda: DiLoCo(compression='fp8'), r"^compression should be None, 'fp16', 'bf16', 'int8' or 'int4' \(what "
                                         r"pseudo-gradients travel in\), but given 'fp8'$"),
     (lambda: distributed_callbacks(local_steps=10, compression='powersgd'),
      r"^compression='powersgd' does not combine with local steps: PowerSGD compresses every step's gradients"),
@@ -418,7 +418,7 @@ def test_distributed_callbacks_with_local_steps_has_diloco_and_no_gradient_avera
     callbacks = distributed_callbacks(local_steps=20, outer_lr=0.5, compression='bf16')
     assert isinstance(callbacks[-1], DiLoCo) and callbacks[-1].local_steps == 20
     assert callbacks[-1].options == dict(outer_lr=0.5, outer_momentum=0.0, nesterov=True, compression='bf16')
-    assert DiLoCo().options['compression'] == 'int8'  # the default wire
+    assert DiLoCo().options['compression'] == 'int4'  # the default wire
     # meetings land 2 steps after they begin by default; at H=1 they block (the one equivalence)
     assert [DiLoCo(local_steps=h).overlap_steps for h in (1, 2, 3, 50)] == [0, 1, 2, 2]
     assert DiLoCo(local_steps=20).gain == 1.0 and DiLoCo(local_steps=500, **DiLoCo.PAPER).gain == pytest.approx(7.0)

@@ -79,9 +79,9 @@ def test_local_steps_keep_the_recipe_and_report_the_meetings(tmp_path):
     assert float(epochs[-1][5]) >= 0.85, result.stdout
     reports = re.findall(r'^communication, epoch \d/2: each rank sent ([\d.]+) kB', result.stdout, re.M)
     # meetings every 32 steps across the epoch end (63 steps an epoch): step 32 in the first epoch; 64, 96 and the
-    # run's end, 126, in the second; each 79,510 parameters in the default int8 wire and the buffers' float64
+    # run's end, 126, in the second; each 79,510 parameters in the default int4 wire and the buffers' float64
     # flag; an 8-byte stop flag every 8 steps (steps 1, 9, ..., 57; 65, ..., 121)
-    meeting = wire.wire_bytes(79510, 2, 'int8') + 8
+    meeting = wire.wire_bytes(79510, 2, 'int4') + 8
     assert [float(kb) for kb in reports] == [round((m * meeting + 8 * 8) / 1e3, 2) for m in (1, 3)], result.stdout
 
 

@@ -20,7 +20,7 @@ from _dist import STARTUP, child_env, python
      r"0\), not compression='int8', overlap_steps=None"),
     (dict(fault_tolerant='h:1', local_steps=8, overlap_steps=2), r'not compression=None, overlap_steps=2'),
     (dict(local_steps=8, meetings=object()), r"meetings through torchft block and travel in fp32: pass "
-                                             r"compression=None and overlap_steps=0, not 'int8' and None"),
+                                             r"compression=None and overlap_steps=0, not 'int4' and None"),
     (dict(fault_tolerant='h:1', ddp=True), r'ddp=True does not combine with fault_tolerant yet'),
 ])
 def test_bad_options_name_the_value(kwargs, message):

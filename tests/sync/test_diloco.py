@@ -17,8 +17,8 @@ from _dist import run_in_step, run_workers, scenario_values, world_of_one  # noq
     (dict(outer_lr='1'), r"^outer_lr should be a number >= 0, but given '1'$"),
     (dict(outer_momentum=1.0), r'^outer_momentum should be a number >= 0 and < 1, but given 1.0$'),
     (dict(nesterov=1), r'^nesterov should be True or False, but given 1$'),
-    (dict(compression='int4'), r"^compression should be None, 'fp16', 'bf16' or 'int8' \(what pseudo-gradients "
-                               r"travel in\), but given 'int4'$"),
+    (dict(compression='int2'), r"^compression should be None, 'fp16', 'bf16', 'int8' or 'int4' \(what "
+                               r"pseudo-gradients travel in\), but given 'int2'$"),
     (dict(compression='powersgd'), r"^compression='powersgd' does not combine with local steps"),
 ])
 def test_bad_options_are_refused_in_one_line(kwargs, message):
@@ -107,8 +107,8 @@ def _worker_steps():
     import torch.distributed as dist
     rank = dist.get_rank()
     scenarios = [('{}_{}'.format(c, m), (lambda c=c, m=m: _scenario_step(c, m, rank)))
-                 for c in (None, 'fp16', 'bf16', 'int8') for m in (0.0, 0.9)]
-    scenarios += [('overlap_{}'.format(c), (lambda c=c: _scenario_overlap(c, rank))) for c in (None, 'int8')]
+                 for c in (None, 'fp16', 'bf16', 'int8', 'int4') for m in (0.0, 0.9)]
+    scenarios += [('overlap_{}'.format(c), (lambda c=c: _scenario_overlap(c, rank))) for c in (None, 'int8', 'int4')]
     return run_in_step(scenarios)
 
 
@@ -127,16 +127,14 @@ def _expected_first_step(momentum, anchor):
     return [p.detach() for p in params]
 
 
-@pytest.mark.parametrize('compression', [None, 'fp16', 'bf16', 'int8'])
+@pytest.mark.parametrize('compression', [None, 'fp16', 'bf16', 'int8', 'int4'])
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
 def test_every_rank_holds_the_same_weights_bit_for_bit_the_outer_step_of_the_mean(steps, compression, momentum):
     rank0, rank1 = scenario_values(steps, '{}_{}'.format(compression, momentum))
     for name in rank0['state']:
         assert torch.equal(rank0['state'][name], rank1['state'][name]), name
     expected = _expected_first_step(momentum, rank0['anchor'])
-    # int8: half a step in (the largest pseudo-gradient, 0.08, over 254) and out (the largest mean, 0.06), times
-    # the outer step's 0.5 x (1 + 0.9) of Nesterov's first step
-    tolerance = {None: 1e-7, 'fp16': 1e-4, 'bf16': 2e-3, 'int8': 0.5 * 1.9 * (0.08 + 0.06) / 254}[compression]
+    tolerance = {None: 1e-7, 'fp16': 1e-4, 'bf16': 2e-3}.get(compression) or _integer_tolerance(compression)
     for got, want in zip(rank0['second'], expected):
         torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
     assert rank0['stop'] is True and rank1['stop'] is True  # rank 1 asked; every rank hears it
@@ -164,13 +162,19 @@ def test_state_dict_round_trip_restores_the_anchor_and_the_momentum():
             OuterStep(list(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).parameters())).load_state_dict(saved)
 
 
-@pytest.mark.parametrize('compression', [None, 'int8'])
+def _integer_tolerance(compression):
+    """Half a step (the largest pseudo-gradient, 0.08, over 254 or 14) on the way in, times the outer step's 0.5 x
+    (1 + 0.9) of Nesterov's first step; two ranks send whole vectors, so nothing is rounded on the way out."""
+    return 0.5 * 1.9 * 0.08 / {'int8': 254, 'int4': 14}[compression]
+
+
+@pytest.mark.parametrize('compression', [None, 'int8', 'int4'])
 def test_a_meeting_that_lands_later_steps_the_anchor_and_keeps_each_ranks_progress_since(steps, compression):
     rank0, rank1 = scenario_values(steps, 'overlap_{}'.format(compression))
     for a, b in zip(rank0['anchor'], rank1['anchor']):
         assert torch.equal(a, b)  # the anchors agree bit for bit
     expected = _expected_first_step(0.9, rank0['start'])  # the mean of the pseudo-gradients taken at begin()
-    tolerance = {None: 1e-6, 'int8': 0.5 * 1.9 * (0.08 + 0.06) / 254}[compression]
+    tolerance = 1e-6 if compression is None else _integer_tolerance(compression)
     for rank in (rank0, rank1):
         for got, anchor, want in zip(rank['params'], rank['anchor'], expected):
             torch.testing.assert_close(anchor, want, rtol=0, atol=tolerance)

@@ -12,8 +12,9 @@ from torchbearer_dist.sync import wire
 
 from _dist import run_workers  # noqa: I001 (tests/ on sys.path)
 
-LENGTH = 1000  # not a multiple of 3 x 128: chunks and blocks are padded
+LENGTH = 1000  # not a multiple of 3 x 128 (or 3 x 64): chunks and blocks are padded
 WORLD = 3
+ENCODINGS = ('fp16', 'bf16', 'int8', 'int4')
 
 
 def _values(rank):
@@ -27,7 +28,7 @@ def _values(rank):
 def _worker():
     import torch.distributed as dist
     rank = dist.get_rank()
-    return {encoding: wire.mean(_values(rank), encoding) for encoding in ('fp16', 'bf16', 'int8')}
+    return {encoding: wire.mean(_values(rank), encoding) for encoding in ENCODINGS}
 
 
 @pytest.fixture(scope='module')
@@ -46,10 +47,12 @@ def _sent(encoding, values, world=WORLD):
     padded[:LENGTH] = values
     if encoding == 'int8':
         return wire.dequantize(*wire.quantize(padded))
+    if encoding == 'int4':
+        return wire.dequantize(*wire.quantize(padded, wire.BLOCK4, 7))
     return padded.to(wire.ENCODINGS[encoding]).to(torch.float32)
 
 
-@pytest.mark.parametrize('encoding', ['fp16', 'bf16', 'int8'])
+@pytest.mark.parametrize('encoding', ENCODINGS)
 def test_every_rank_gets_the_same_bits_the_fp32_mean_rounded_once_more(means, encoding):
     got = [rank[encoding] for rank in means]
     for other in got[1:]:
@@ -59,7 +62,7 @@ def test_every_rank_gets_the_same_bits_the_fp32_mean_rounded_once_more(means, en
     assert torch.equal(got[0], _sent(encoding, exact[:LENGTH])[:LENGTH])
 
 
-@pytest.mark.parametrize('encoding', ['fp16', 'bf16', 'int8'])
+@pytest.mark.parametrize('encoding', ENCODINGS)
 def test_two_ranks_get_the_same_bits_the_fp32_mean_of_what_they_sent(two_rank_means, encoding):
     got = [rank[encoding] for rank in two_rank_means]
     assert torch.equal(got[0], got[1])
@@ -86,6 +89,20 @@ def test_int8_blocks_keep_each_value_within_half_a_step_and_zero_blocks_exact():
     assert torch.equal(back[3 * wire.BLOCK:], torch.zeros(wire.BLOCK))
 
 
-@pytest.mark.parametrize('encoding, per_value', [('fp16', 2), ('bf16', 2), ('int8', 1 + 4 / wire.BLOCK)])
+def test_int4_keeps_each_value_within_half_a_step_of_a_seventh_of_its_blocks_largest_and_packs_two_a_byte():
+    values = torch.randn(3 * wire.BLOCK4) * torch.tensor([1e-3, 1e3, 0.0]).repeat_interleave(wire.BLOCK4)
+    steps, scales = wire.quantize(values, wire.BLOCK4, 7)
+    assert int(steps.abs().max()) == 7 and torch.equal(scales[:2], values.view(3, -1).abs().amax(dim=1)[:2] / 7)
+    back = wire.dequantize(steps, scales)
+    assert torch.all((back - values).abs() <= scales.repeat_interleave(wire.BLOCK4) / 2 * (1 + 1e-6))
+    packed = wire.pack4(steps)
+    assert packed.dtype == torch.uint8 and packed.numel() == steps.numel() // 2
+    assert torch.equal(wire.unpack4(packed), steps)
+    assert torch.equal(wire.unpack4(torch.tensor([0x0f, 0xf1], dtype=torch.uint8)),
+                       torch.tensor([7, -8, -7, 7], dtype=torch.int8))  # low nibble first, 8 is zero
+
+
+@pytest.mark.parametrize('encoding, per_value', [('fp16', 2), ('bf16', 2), ('int8', 1 + 4 / wire.BLOCK),
+                                                 ('int4', 0.5 + 4 / wire.BLOCK4)])
 def test_the_bytes_are_the_padded_encoded_vector(encoding, per_value):
     assert wire.wire_bytes(LENGTH, WORLD, encoding) == wire.padded_length(LENGTH, WORLD, encoding) * per_value

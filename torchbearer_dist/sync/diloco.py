@@ -20,7 +20,7 @@ from torchbearer_dist.sync.meeting import DEFAULT, Meeting
 
 #: What a pseudo-gradient may travel in: None, each parameter's own dtype (an all-reduce); or an encoding of
 #: :mod:`~torchbearer_dist.sync.wire`, added in fp32.
-COMPRESSIONS = (None, 'fp16', 'bf16', 'int8')
+COMPRESSIONS = (None, 'fp16', 'bf16', 'int8', 'int4')
 #: The outer optimizer of the DiLoCo paper (Douillard et al., 2023): a steady-state gain of 7, for an inner AdamW
 #: tuned for it and hundreds of local steps. ``DiLoCo(local_steps=500, **PAPER)``.
 PAPER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
@@ -59,8 +59,8 @@ def check_options(outer_lr, outer_momentum, nesterov, compression):
                          "gradients, local steps send a pseudo-gradient every few steps; pass compression=None, 'fp16' "
                          "or 'bf16'")
     if compression not in COMPRESSIONS:
-        raise ValueError("compression should be None, 'fp16', 'bf16' or 'int8' (what pseudo-gradients travel in), "
-                         "but given {!r}".format(compression))
+        raise ValueError("compression should be None, 'fp16', 'bf16', 'int8' or 'int4' (what pseudo-gradients travel "
+                         "in), but given {!r}".format(compression))
 
 
 def check_rounds(local_steps, overlap_steps, default_overlap, check_divergence):
@@ -107,7 +107,8 @@ class OuterStep:
         outer_momentum (float): its momentum (0, the default: none; the paper's 0.9)
         nesterov (bool): Nesterov momentum (with ``outer_momentum`` > 0)
         compression (str): what pseudo-gradients travel in: None (each parameter's own dtype), ``'fp16'``,
-            ``'bf16'`` (2 bytes a value) or ``'int8'`` (1.03 bytes a value, block scales), added in fp32
+            ``'bf16'`` (2 bytes a value), ``'int8'`` (1.03 bytes a value, block scales) or ``'int4'`` (0.56
+            bytes a value), added in fp32
             (:func:`torchbearer_dist.sync.wire.mean`); the anchor, the outer step and the buffers stay in
             full precision
 

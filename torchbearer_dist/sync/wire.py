@@ -1,8 +1,8 @@
 """A mean over ranks that travels in fewer bits and adds in fp32: reduce-scatter by all-to-all, then all-gather.
 
 An all-reduce in a half type adds in that type: every partial sum is rounded to 8 (bf16) or 11
-(fp16) bits of mantissa, and an 8-bit integer cannot be summed at all. :func:`mean` splits the vector
-into one chunk per rank instead. Each rank sends chunk ``j``, encoded, to rank ``j``
+(fp16) bits of mantissa, and integer steps of different scales cannot be summed at all.
+:func:`mean` splits the vector into one chunk per rank instead. Each rank sends chunk ``j``, encoded, to rank ``j``
 (``all_to_all_single``); rank ``j`` decodes the chunks it received, adds them in fp32 and divides by
 the number of ranks, encodes its averaged chunk once and every rank gathers every averaged chunk
 (``all_gather``). Each value is rounded twice, once on the way in and once on the way out; the sums
@@ -21,6 +21,9 @@ The encodings:
 - ``'int8'``: blocks of :data:`BLOCK` values, each an fp32 scale (the block's largest magnitude over
   127) and one signed byte a value rounded to the nearest step: 1.03 bytes a value, an error of at
   most half a step, 1/254 of the block's largest magnitude.
+- ``'int4'``: blocks of :data:`BLOCK4` values, each an fp32 scale (the largest magnitude over 7) and
+  4 bits a value (two to a byte): 0.5625 bytes a value, an error of at most 1/14 of the block's
+  largest magnitude.
 
 Only torch.distributed's public collectives are used; gloo supports both on CPU for every dtype here.
 """
@@ -31,26 +34,33 @@ from torchbearer_dist.sync import collectives
 
 #: Values that share one scale in the ``'int8'`` encoding.
 BLOCK = 128
+#: Values that share one scale in the ``'int4'`` encoding (smaller blocks: a coarser step needs a nearer maximum).
+BLOCK4 = 64
 #: Up to this many ranks each rank sends its whole encoded vector (one all-gather, rounded once): at two ranks
 #: the bytes a reduce-scatter and an all-gather move together; beyond, those two move fewer.
 WHOLE_UP_TO = 2
 #: The encodings :func:`mean` accepts, with the dtype each value travels in.
-ENCODINGS = {'fp16': torch.float16, 'bf16': torch.bfloat16, 'int8': torch.int8}
+ENCODINGS = {'fp16': torch.float16, 'bf16': torch.bfloat16, 'int8': torch.int8, 'int4': torch.uint8}
+#: The integer encodings: ``(values a scale, largest step)``.
+_INTEGER = {'int8': (BLOCK, 127), 'int4': (BLOCK4, 7)}
 
 
-def quantize(values):
-    """Encode fp32 ``values`` (a length divisible by :data:`BLOCK`) as int8 steps and one fp32 scale per block.
+def quantize(values, block=BLOCK, levels=127):
+    """Encode fp32 ``values`` (a length divisible by ``block``) as integer steps and one fp32 scale per block.
 
     Args:
-        values (torch.Tensor): 1-D float32, ``len(values) % BLOCK == 0``
+        values (torch.Tensor): 1-D float32, ``len(values) % block == 0``
+        block (int): values that share a scale
+        levels (int): the largest step, at most 127: the block's largest magnitude becomes ``+-levels``
 
     Returns:
-        tuple: ``(steps, scales)``: int8 values and float32 scales, ``values ~ steps * scales`` block by block
+        tuple: ``(steps, scales)``: int8 values in ``[-levels, levels]`` and float32 scales,
+        ``values ~ steps * scales`` block by block
     """
-    blocks = values.view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127
+    blocks = values.view(-1, block)
+    scales = blocks.abs().amax(dim=1) / levels
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: steps 0, scale 0
-    steps = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    steps = torch.round(blocks / safe[:, None]).clamp_(-levels, levels).to(torch.int8)
     return steps.view(-1), scales
 
 
@@ -58,22 +68,39 @@ def dequantize(steps, scales):
     """The fp32 values :func:`quantize` encoded (within half a step of each).
 
     Args:
-        steps (torch.Tensor): int8, a length divisible by :data:`BLOCK`
+        steps (torch.Tensor): int8, ``len(scales)`` blocks of equal length
         scales (torch.Tensor): float32, one per block
 
     Returns:
         torch.Tensor: 1-D float32
     """
-    return (steps.view(-1, BLOCK).to(torch.float32) * scales[:, None]).view(-1)
+    return (steps.view(len(scales), -1).to(torch.float32) * scales[:, None]).view(-1)
+
+
+def pack4(steps):
+    """Two steps in ``[-7, 7]`` (int8, an even length) to a byte: the even one in the low 4 bits."""
+    nibbles = (steps + 8).to(torch.uint8).view(-1, 2)
+    return nibbles[:, 0] | (nibbles[:, 1] << 4)
+
+
+def unpack4(packed):
+    """The int8 steps :func:`pack4` packed."""
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=1)
+    return nibbles.view(-1).to(torch.int8) - 8
 
 
 def _encode(values, encoding):
+    if encoding == 'int4':
+        steps, scales = quantize(values, *_INTEGER[encoding])
+        return [pack4(steps), scales]
     if encoding == 'int8':
         return list(quantize(values))
     return [values.to(ENCODINGS[encoding])]
 
 
 def _decode(parts, encoding):
+    if encoding == 'int4':
+        return dequantize(unpack4(parts[0]), parts[1])
     if encoding == 'int8':
         return dequantize(*parts)
     return parts[0].to(torch.float32)
@@ -81,15 +108,16 @@ def _decode(parts, encoding):
 
 def padded_length(numel, world_size, encoding):
     """The length :func:`mean` pads a vector of ``numel`` values to: a chunk per rank, whole blocks in each."""
-    unit = world_size * (BLOCK if encoding == 'int8' else 1)
+    unit = world_size * _INTEGER.get(encoding, (1,))[0]
     return -(-numel // unit) * unit
 
 
 def wire_bytes(numel, world_size, encoding):
     """The bytes of the encoded (padded) vector: what an all-reduce of the same wire would be handed."""
     length = padded_length(numel, world_size, encoding)
-    if encoding == 'int8':
-        return length + 4 * (length // BLOCK)
+    if encoding in _INTEGER:
+        block = _INTEGER[encoding][0]
+        return length // (2 if encoding == 'int4' else 1) + 4 * (length // block)
     return length * torch.empty((), dtype=ENCODINGS[encoding]).element_size()
 
 
@@ -104,7 +132,7 @@ def mean(values, encoding, group=None):
 
     Args:
         values (torch.Tensor): 1-D floating, this rank's values, the same length on every rank
-        encoding (str): ``'fp16'``, ``'bf16'`` or ``'int8'``
+        encoding (str): ``'fp16'``, ``'bf16'``, ``'int8'`` or ``'int4'``
         group (ProcessGroup): the group; the default one if None
 
     Returns:
@@ -126,7 +154,7 @@ class PendingMean:
 
     Args:
         values (torch.Tensor): 1-D floating, this rank's values, the same length on every rank
-        encoding (str): ``'fp16'``, ``'bf16'`` or ``'int8'``
+        encoding (str): ``'fp16'``, ``'bf16'``, ``'int8'`` or ``'int4'``
         group (ProcessGroup): the group; the default one if None
     """
 
