@@ -240,6 +240,48 @@ def _resume(directory, overlap_steps=0, every_steps=4, cut=6):
                                              v for s in entry['optimizer']['state'].values() for v in s.values()]})}
 
 
+class _AtStart(Callback):
+    """Copies the model's parameters and DiLoCo's anchor when the first training pass starts (after DiLoCo's)."""
+
+    def __init__(self, diloco):
+        super().__init__()
+        self.diloco, self.params = diloco, None
+
+    def on_start_training(self, state):
+        if self.params is None:
+            self.params = [p.detach().clone() for p in state[torchbearer.MODEL].parameters()]
+            self.anchor = [a.clone() for a in self.diloco.engine.anchor]
+
+
+def _resume_from_torchbearers_checkpointer(directory):
+    """torchbearer's own MostRecent checkpointer (rank 0 writes its Trial's state) at the first epoch's end, one step
+    after the meeting at 9; a new run loads the model and DiLoCo's state from it on every rank (as torchbearer's
+    ``Trial.load_state_dict`` does, callback by callback): no rank's own weights in it."""
+    import warnings
+    options = dict(local_steps=3, overlap_steps=0)
+    path = os.path.join(directory, 'torchbearer.pt')
+    _trial('mlp', options, extra=[_InterruptAt(11), torchbearer.callbacks.MostRecent(path)])
+    dist.barrier()  # rank 0 wrote it
+    saved = torch.load(path, weights_only=False)
+    listed = saved[torchbearer.CALLBACK_LIST]
+    model = _model('mlp', SEED + dist.get_rank())
+    model.load_state_dict(saved[torchbearer.MODEL])
+    callbacks = distributed_callbacks(**options)
+    diloco = next(c for c in callbacks if isinstance(c, DiLoCo))
+    diloco.load_state_dict(next(state for kind, state in zip(listed['callback_types'], listed['callback_states'])
+                                if kind is DiLoCo))
+    at_start = _AtStart(diloco)
+    dataset = TensorDataset(*_data())
+    trial = torchbearer.Trial(model, torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss(),
+                              callbacks=callbacks + [at_start], verbose=0)
+    trial.with_train_generator(DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset, shuffle=False)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        trial.run(EPOCHS)
+    return {'messages': [str(w.message) for w in caught if 'local steps after' in str(w.message)],
+            'params': at_start.params, 'anchor': at_start.anchor}
+
+
 class _Anchors(Callback):
     """Records, after every step, whether a meeting is in flight and a copy of the anchor."""
 
@@ -306,7 +348,8 @@ def _worker(directory):
                         ('overlap_end', _overlap_at_the_end),
                         ('resume_overlap', functools.partial(_resume, directory, overlap_steps=2)),
                         ('across_epochs', _across_epochs),
-                        ('resume_epoch_end', functools.partial(_resume, directory, every_steps=None, cut=13))])
+                        ('resume_epoch_end', functools.partial(_resume, directory, every_steps=None, cut=13)),
+                        ('resume_foreign', functools.partial(_resume_from_torchbearers_checkpointer, directory))])
 
 
 @pytest.fixture(scope='module')
@@ -475,3 +518,15 @@ def test_a_run_resumed_from_an_epoch_end_checkpoint_between_two_meetings_ends_bi
     for rank in (rank0, rank1):
         _assert_equal(rank['resumed'], rank['whole'])
     _assert_equal(rank0['whole'], rank1['whole'])
+
+
+def test_a_run_resumed_from_torchbearers_own_checkpointer_starts_every_rank_from_the_anchor_and_says_why(trained):
+    rank0, rank1 = scenario_values(trained, 'resume_foreign')
+    assert rank0['messages'] == [
+        "the checkpoint was written 1 local steps after an outer step and holds no rank's own weights (its "
+        "checkpointer saved one process's state; torchbearer_dist.Checkpoint gathers every rank's): every rank "
+        "starts again from the anchor"]
+    assert rank1['messages'] == []  # rank 0 says it, once
+    for rank in (rank0, rank1):
+        for p, anchor, other in zip(rank['params'], rank['anchor'], rank0['anchor']):
+            assert torch.equal(p, anchor) and torch.equal(anchor, other)  # one anchor, every rank's weights on it

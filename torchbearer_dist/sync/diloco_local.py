@@ -94,8 +94,8 @@ def restore_local(engine, saved, optimizer):
     """Put this rank's local state of a DiLoCo checkpoint back: weights, buffers, inner optimizer, a meeting in flight.
 
     At the world size that wrote it, every rank takes its own entry and the run goes on bit-identical;
-    at another, every rank starts again from the anchor (a warning on rank 0 says so; a meeting in flight
-    then is dropped).
+    at another, or from a checkpoint without every rank's entry (another checkpointer's), every rank
+    starts again from the anchor (a warning on rank 0 says so; a meeting in flight then is dropped).
 
     Args:
         engine (OuterStep): the engine, its anchor and outer state already loaded
@@ -117,9 +117,11 @@ def restore_local(engine, saved, optimizer):
         optimizer.load_state_dict(mine['optimizer'])
         return saved['inner_steps'], meeting['due'] if meeting is not None else 0
     if (saved['inner_steps'] or meeting) and collectives.rank() == 0:
-        warnings.warn('the checkpoint was written {} local steps after an outer step at world size {}; at world size '
-                      '{} every rank starts again from the anchor'.format(saved['inner_steps'], len(local or ()),
-                                                                          collectives.world_size()), stacklevel=3)
+        where = ('holds no rank\'s own weights (its checkpointer saved one process\'s state; '
+                 'torchbearer_dist.Checkpoint gathers every rank\'s)' if local is None else
+                 'was written at world size {}; at world size {}'.format(len(local), collectives.world_size()))
+        warnings.warn('the checkpoint was written {} local steps after an outer step and {}: every rank starts again '
+                      'from the anchor'.format(saved['inner_steps'], where), stacklevel=3)
     for p, a in zip(engine.params, engine.anchor):
         p.copy_(a)
     return 0, 0
