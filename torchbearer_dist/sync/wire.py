@@ -78,13 +78,27 @@ def dequantize(steps, scales):
 
 
 def pack4(steps):
-    """Two steps in ``[-7, 7]`` (int8, an even length) to a byte: the even one in the low 4 bits."""
+    """Two steps to a byte, each offset by 8 into 4 bits: the even-indexed one in the low 4 bits.
+
+    Args:
+        steps (torch.Tensor): int8 in ``[-7, 7]`` (``[-8, 7]`` round-trips too), an even length
+
+    Returns:
+        torch.Tensor: uint8, half the length
+    """
     nibbles = (steps + 8).to(torch.uint8).view(-1, 2)
     return nibbles[:, 0] | (nibbles[:, 1] << 4)
 
 
 def unpack4(packed):
-    """The int8 steps :func:`pack4` packed."""
+    """The int8 steps :func:`pack4` packed.
+
+    Args:
+        packed (torch.Tensor): uint8
+
+    Returns:
+        torch.Tensor: int8, twice the length, in ``[-8, 7]``
+    """
     nibbles = torch.stack([packed & 15, packed >> 4], dim=1)
     return nibbles.view(-1).to(torch.int8) - 8
 
