@@ -1,6 +1,6 @@
 """Does DiLoCo keep a synchronous recipe's accuracy? Paired runs on real MNIST digits, with intervals (issue 32).
 
-Usage (from a clone, two ranks over loopback; the accuracy does not depend on the link)::
+Usage (from a clone, two ranks over loopback, ``--ranks N`` for more; the accuracy does not depend on the link)::
 
     python benchmarks/diloco_accuracy.py                               # defaults, H = 8,16,32,64, both models
     python benchmarks/diloco_accuracy.py --models cnn --local-steps 32 --seeds 10
@@ -147,6 +147,8 @@ def parse_args(argv=None):
     parser.add_argument('--table-only', action='store_true', help="only rebuild --out's table from its runs.json")
     parser.add_argument('--skip-sync', action='store_true',
                         help='no synchronous runs (pair with --also: runs are deterministic given the seed)')
+    parser.add_argument('--ranks', type=int, default=2,
+                        help='processes over loopback (2; more average by reduce-scatter and all-gather)')
     parser.add_argument('--also', type=str, default=None,
                         help="other output folders whose runs.json join this table (e.g. their sync runs)")
     return parser.parse_args(argv)
@@ -165,7 +167,7 @@ def main(argv=None):
                           (int(h), o, c, v) for h in args.local_steps.split(',') for o in outers
                           for c in args.compression.split(',') for v in args.overlap_steps.split(',')])
         with open(runs_path, 'w') as f:
-            json.dump(tbd.launch(worker, 2, args=(config,), timeout=600)[0], f, indent=1)
+            json.dump(tbd.launch(worker, args.ranks, args=(config,), timeout=600)[0], f, indent=1)
         with open(os.path.join(args.out, 'command.txt'), 'w') as f:
             f.write('python benchmarks/diloco_accuracy.py {}\n# load average at the end: {}\n'.format(
                 ' '.join(argv if argv is not None else sys.argv[1:]), ' '.join(map(str, os.getloadavg()))))
