@@ -68,11 +68,10 @@ class DiLoCo(Callback):
         outer_lr (float): the outer optimizer's learning rate (1: the ranks' average; the paper's 0.7)
         outer_momentum (float): the outer optimizer's momentum (0: none; the paper's 0.9)
         nesterov (bool): Nesterov momentum in the outer optimizer (with ``outer_momentum`` > 0)
-        compression (str): what pseudo-gradients travel in: ``'int4'`` (the default: 4 bits a value and an
-            fp32 scale per 64 values, about a seventh of fp32), ``'int8'`` (a byte a value, a scale per 128:
-            about a quarter), ``'bf16'`` or ``'fp16'`` (half), added in fp32
-            (:mod:`torchbearer_dist.sync.wire`); or None, the parameters' own dtype in an exact all-reduce.
-            The anchor and the outer step stay in full precision
+        compression (str): what pseudo-gradients travel in: ``'int4'`` (the default: 4 bits a value, an fp32
+            scale per 64 values, a seventh of fp32), ``'int8'`` (a byte a value, a scale per 128), ``'bf16'``
+            or ``'fp16'``, added in fp32 (:mod:`torchbearer_dist.sync.wire`); or None, the parameters' own dtype
+            in an exact all-reduce. The anchor and the outer step stay in full precision
         check_divergence (bool): compare the replicas after every outer step (the divergence sentinel)
         overlap_steps (int): k > 0: a meeting lands k steps after it began, the ranks training on
             meanwhile (its wire time hidden behind k steps); the anchor then steps and each rank keeps
