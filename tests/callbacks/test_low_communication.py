@@ -125,9 +125,10 @@ class _Count(Callback):
         self.steps += 1
 
 
-def _equivalence():
+def _equivalence(**options):
+    """H=1 (with ``compression=None``: every other option at its default) against one process at 2B."""
     before, after = _Count(), _Count()  # the user's callbacks on both sides of ours
-    options = dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, compression=None)
+    options = dict(dict(local_steps=1, compression=None), **options)
     model, _ = _trial('mlp', None, extra=[before], callbacks=distributed_callbacks(**options) + [after])
     return {'state': _snapshot(model), 'steps': (before.steps, after.steps)}
 
@@ -341,7 +342,10 @@ def _momentum_sgd(model):
 
 def _worker(directory):
     torch.set_num_threads(1)
-    return run_in_step([('equivalence', _equivalence), ('nesterov_bn', _nesterov_bn), ('stop', _stop),
+    return run_in_step([('equivalence', _equivalence),
+                        ('equivalence_int4', functools.partial(_equivalence, compression='int4')),
+                        ('equivalence_int8', functools.partial(_equivalence, compression='int8')),
+                        ('nesterov_bn', _nesterov_bn), ('stop', _stop),
                         ('second_model', _second_model), ('no_hooks', _no_hooks),
                         ('check_replicas', _check_replicas),
                         ('resume', functools.partial(_resume, directory)), ('overlap', _overlap),
@@ -375,6 +379,25 @@ def test_one_local_step_outer_lr_one_no_momentum_is_gradient_averaging(trained):
     assert difference < 1e-6
     initial = _snapshot(_model('mlp', SEED))
     assert not torch.equal(reference['0.weight'], initial['0.weight'])  # it did train
+
+
+def test_one_local_step_in_the_default_int4_wire_is_gradient_averaging_within_its_rounding(trained):
+    # DiLoCo(local_steps=1) with every other option at its default (int4) against one process at 2B: each meeting
+    # rounds each value to within half a step, 1/(2 x 7) of its block's largest (1/254 in int8); over the run the
+    # weights stay within one step's worth of how far they moved (1/7 of it; 1/127), the user's callbacks on both
+    # sides of ours see every step, and int8 ends nearer than int4
+    reference = _reference()
+    initial = _snapshot(_model('mlp', SEED))
+    moved = max((reference[k] - initial[k]).abs().max().item() for k in reference)
+    difference = {}
+    for wire_name, levels in (('int4', 7), ('int8', 127)):
+        rank0, rank1 = scenario_values(trained, 'equivalence_' + wire_name)
+        assert rank0['steps'] == rank1['steps'] == (EPOCHS * STEPS, EPOCHS * STEPS)
+        _assert_equal(rank0['state'], rank1['state'])
+        difference[wire_name] = max((rank0['state'][k] - reference[k]).abs().max().item() for k in reference)
+        assert 1e-6 < difference[wire_name] < moved / levels, (wire_name, difference[wire_name], moved)
+    assert difference['int8'] < difference['int4']
+    assert DiLoCo().options['compression'] == 'int4'  # what 'the default' is here
 
 
 def test_replicas_are_bit_identical_after_nesterov_outer_steps_with_batchnorm(trained):
