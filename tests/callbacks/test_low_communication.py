@@ -126,7 +126,7 @@ class _Count(Callback):
 
 
 def _equivalence(**options):
-    """H=1 (with ``compression=None``: every other option at its default) against one process at 2B."""
+    """DiLoCo at H=1, in fp32 unless ``options`` name a wire, every other option at its default."""
     before, after = _Count(), _Count()  # the user's callbacks on both sides of ours
     options = dict(dict(local_steps=1, compression=None), **options)
     model, _ = _trial('mlp', None, extra=[before], callbacks=distributed_callbacks(**options) + [after])

@@ -117,8 +117,8 @@ def restore_local(engine, saved, optimizer):
         optimizer.load_state_dict(mine['optimizer'])
         return saved['inner_steps'], meeting['due'] if meeting is not None else 0
     if (saved['inner_steps'] or meeting) and collectives.rank() == 0:
-        where = ('holds no rank\'s own weights (its checkpointer saved one process\'s state; '
-                 'torchbearer_dist.Checkpoint gathers every rank\'s)' if local is None else
+        where = ("holds no rank's own weights (its checkpointer saved one process's state; "
+                 "torchbearer_dist.Checkpoint gathers every rank's)" if local is None else
                  'was written at world size {}; at world size {}'.format(len(local), collectives.world_size()))
         warnings.warn('the checkpoint was written {} local steps after an outer step and {}: every rank starts again '
                       'from the anchor'.format(saved['inner_steps'], where), stacklevel=3)

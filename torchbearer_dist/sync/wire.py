@@ -104,20 +104,16 @@ def unpack4(packed):
 
 
 def _encode(values, encoding):
-    if encoding == 'int4':
-        steps, scales = quantize(values, *_INTEGER[encoding])
-        return [pack4(steps), scales]
-    if encoding == 'int8':
-        return list(quantize(values))
-    return [values.to(ENCODINGS[encoding])]
+    if encoding not in _INTEGER:
+        return [values.to(ENCODINGS[encoding])]
+    steps, scales = quantize(values, *_INTEGER[encoding])
+    return [pack4(steps) if encoding == 'int4' else steps, scales]
 
 
 def _decode(parts, encoding):
-    if encoding == 'int4':
-        return dequantize(unpack4(parts[0]), parts[1])
-    if encoding == 'int8':
-        return dequantize(*parts)
-    return parts[0].to(torch.float32)
+    if encoding not in _INTEGER:
+        return parts[0].to(torch.float32)
+    return dequantize(unpack4(parts[0]) if encoding == 'int4' else parts[0], parts[1])
 
 
 def padded_length(numel, world_size, encoding):
