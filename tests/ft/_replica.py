@@ -95,11 +95,13 @@ def main():
     parser.add_argument('--checkpoint', type=str, help="this replica's checkpoint file (Checkpoint, every epoch)")
     parser.add_argument('--min-replicas', type=int, default=1)
     parser.add_argument('--record', type=str, help="save what the user's callbacks saw here (torch.save)")
+    parser.add_argument('--batch-size', type=int, default=10)
+    parser.add_argument('--then-epochs', type=int, help='after the run of --epochs, run() again up to these epochs')
     parser.add_argument('--local-steps', type=int, help="DiLoCo's H: meetings through torchft every H steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = dataset(args.samples)
-    loader = DataLoader(data, batch_size=10, sampler=DistributedSampler(
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(
         data, num_replicas=args.replicas, rank=args.replica, seed=0))
     net = model(args.replica, args.hidden)
     initial = {k: v.clone() for k, v in net.state_dict().items()}
@@ -116,6 +118,8 @@ def main():
     trial.with_generators(loader)
     print('READY', flush=True)
     history = trial.run(args.epochs, verbose=0)
+    if args.then_epochs:
+        history = trial.run(args.then_epochs, verbose=0)
     if args.record:
         diloco = next((c for c in callbacks if isinstance(c, tbd.DiLoCo)), None)
         torch.save({'initial': initial, 'start': after.start, 'final': net.state_dict(), 'losses': after.losses,
@@ -123,6 +127,7 @@ def main():
                     'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps},
                    args.record)
     digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+    print('EPOCHS', len(history), 'RESTARTS', ft.restarts, flush=True)
     print('DONE', digest, ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)
 
 

@@ -23,19 +23,6 @@ from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
 LOST_BOUND = 2 + 10
 
 
-@pytest.fixture
-def lighthouse():
-    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        yield server.address
-
-
-@pytest.fixture
-def replicas(tmp_path, lighthouse):
-    started = Replicas(tmp_path, lighthouse)
-    yield started
-    started.kill_all()
-
-
 @pytest.mark.timeout(300)
 def test_kill_one_of_three_the_others_go_on_and_the_restarted_one_heals_bit_identical(replicas):
     stall = kill_one_and_heal(replicas, LOST_BOUND + LOAD_SLACK)
@@ -75,7 +62,8 @@ def test_a_replica_that_cannot_heal_fails_alone_in_one_line(replicas):
 
 
 @pytest.mark.timeout(180)
-def test_a_lost_lighthouse_stops_every_replica_in_one_line_within_its_bound(tmp_path):
+def test_a_lighthouse_shut_down_in_process_stops_every_replica_in_one_line_within_its_timeout(tmp_path):
+    # Lighthouse.shutdown() stops listening (the lighthouse killed with its process: tests/ft/test_lighthouse.py).
     server = Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0)
     replicas = Replicas(tmp_path, server.address)
     try:
@@ -83,14 +71,15 @@ def test_a_lost_lighthouse_stops_every_replica_in_one_line_within_its_bound(tmp_
         replicas.wait_for(lambda: min(replicas.steps(i) for i in started) >= 10, STARTUP + 60)
         server.shutdown()
         lost = time.monotonic()
-        # Bound: the quorum's timeout (3 x 3 s), the probe of the lighthouse (3 s), and the load's slack.
+        line = ('error: the lighthouse at {} was lost: nothing answered there for 3 s; start it there again (python -m '
+                'torchbearer_dist.ft --min-replicas N) and restart every replica (a lighthouse back within 3 s is '
+                'rejoined)'.format(server.address))
+        # Bound: the timeout (3 s) and the load's slack; the process ends when torchft's quorum thread gives up.
+        replicas.wait_for(lambda: all(line in replicas.err(i) for i in started), 3 + LOAD_SLACK)
+        print('every replica said so {:.1f} s after the shutdown'.format(time.monotonic() - lost))
         for i in started:
-            assert replicas.process(i).wait(9 + 3 + LOAD_SLACK) == 1, replicas.describe()
-        assert time.monotonic() - lost < 9 + 3 + LOAD_SLACK
-        for i in started:
-            assert replicas.err(i).strip().splitlines()[-1] == (
-                'error: the lighthouse at {} did not answer within 3 s; start it (python -m torchbearer_dist.ft '
-                '--min-replicas N) or pass its address'.format(server.address)), replicas.describe()
+            assert replicas.process(i).wait(3 * 3 + LOAD_SLACK) == 1, replicas.describe()
+            assert replicas.err(i).strip().splitlines()[-1] == line, replicas.describe()
     finally:
         server.shutdown()
         replicas.kill_all()
@@ -116,7 +105,9 @@ def test_ctrl_c_or_sigterm_ends_that_replica_at_once_and_the_other_goes_on(repli
     started = [replicas.start(r, '--replicas', '2', '--epochs', '3', '--sleep', '0.05') for r in range(2)]
     replicas.wait_for(lambda: min(replicas.steps(i) for i in started) >= 20, STARTUP + 60)
     os.kill(replicas.process(started[1]).pid, signum)
-    assert replicas.process(started[1]).wait(5 + LOAD_SLACK) == -signum  # no thread of torchft keeps it alive
+    # Ended by the package within its grace (tests/ft/test_signals.py), not by the signal's default action: the
+    # status a shell shows for that signal, 128 + its number, whether the stop unwound or was ended for it.
+    assert replicas.process(started[1]).wait(5 + LOAD_SLACK) == 128 + signum  # no thread of torchft keeps it alive
     before = replicas.steps(started[0])
     replicas.wait_for(lambda: replicas.steps(started[0]) >= before + 10, LOST_BOUND + LOAD_SLACK)
     assert replicas.process(started[0]).poll() is None

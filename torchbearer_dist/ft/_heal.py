@@ -5,6 +5,8 @@ optimizer the Trial holds, the callbacks' states (DiLoCo's anchor among them) an
 the position in the epoch, so that the healed replica goes on with its healer's next batch. torchft's Manager
 carries it: nothing here touches a file or a process group.
 """
+from importlib import metadata
+
 import torch
 import torchbearer
 
@@ -12,7 +14,49 @@ from torchbearer_dist.callbacks._held import held_modules, optimizer_objects
 from torchbearer_dist.checkpoint import files
 
 #: Marks a heal payload of this package, and its layout version.
-FORMAT = 'torchbearer_dist.ft/1'
+FORMAT = 'torchbearer_dist.ft/2'
+
+
+class Refused(RuntimeError):
+    """This replica cannot join the replicas training (another model, configuration or version, or its name is
+    taken): raised on it alone, at the quorum where it would heal; the replicas training are left alone."""
+
+
+def config(replica_id, shards, batch_size, local_steps):
+    """What the replicas of one run must share, as :func:`capture` sends it and :func:`restore` checks it."""
+    return {'replica_id': replica_id, 'shards': shards, 'batch_size': batch_size, 'local_steps': local_steps,
+            'versions': 'torchbearer_dist {}, torch {}'.format(_installed('torchbearer_dist'), torch.__version__)}
+
+
+def _installed(name):
+    """The installed version of the distribution ``name`` (this package's own is ``__version__``, which a module
+    inside it cannot import), or ``'not installed'`` where it runs from a checkout on ``sys.path``."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return 'not installed'
+
+
+#: For each :func:`config` entry that must agree: what it is, and what to do where it does not.
+_AGREE = {
+    'shards': ("shard count (the DistributedSampler's num_replicas, the example's --replicas)",
+               'start every replica with the same shard count'),
+    'batch_size': ('batch size', 'start every replica with the same batch size'),
+    'local_steps': ("local_steps (DiLoCo's; None: averaging at every step)", 'start every replica with the same '
+                    'local_steps'),
+    'versions': ('versions', 'install the same versions on every machine'),
+}
+
+
+def _check_config(mine, theirs):
+    if mine['replica_id'] == theirs['replica_id']:
+        raise Refused("this replica cannot join: its replica_id '{}' is the name of the live replica it would heal "
+                      'from; stop the other process of that name (a requeue while the old job still runs?) or pass '
+                      'another replica_id'.format(mine['replica_id']))
+    for key, (what, remedy) in _AGREE.items():
+        if mine[key] != theirs[key]:
+            raise Refused('this replica cannot join: its {} is {} here and {} at the replicas training; {}'.format(
+                what, mine[key], theirs[key], remedy))
 
 
 def optimizers(state):
@@ -25,9 +69,10 @@ def _layout(module_states):
             for label, sd in module_states.items()}
 
 
-def capture(state, position):
+def capture(state, position, sender):
     """The payload :func:`restore` loads: the Trial's ``state`` at a step boundary, with ``position`` (``epoch``,
-    ``batches`` trained in it, and ``batch_size``, ``world_size`` for ``resume_epoch``)."""
+    ``batches`` trained in it, and ``batch_size``, ``world_size`` for ``resume_epoch``) and the sender's
+    :func:`config`."""
     modules = {label: module.state_dict() for label, module in held_modules(state)}
     callbacks = state.get(torchbearer.CALLBACK_LIST)
     return {
@@ -38,21 +83,28 @@ def capture(state, position):
         'callbacks': files._callback_states(callbacks),
         'history': [{str(k): files._plain(v) for k, v in entry.items()} for entry in state[torchbearer.HISTORY]],
         'position': dict(position),
+        'config': dict(sender),
+        'optimizer_layout': [_optimizer_layout(opt) for opt in optimizers(state)],
     }
+
+
+def _optimizer_layout(optimizer):
+    return '{} of {} parameters'.format(type(optimizer).__name__,
+                                         [len(group['params']) for group in optimizer.param_groups])
 
 
 def _check_same_model(mine, theirs, source):
     for label in sorted(set(mine) | set(theirs)):
         here, there = mine.get(label), theirs.get(label)
         if here is None or there is None:
-            raise RuntimeError('this replica cannot heal from {}: {} holds {} there and {} here; start every replica '
-                               'with the same program and package version'.format(
+            raise Refused('this replica cannot heal from {}: {} holds {} there and {} here; start every replica '
+                          'with the same program and package version'.format(
                                    source, label, 'nothing' if there is None else 'a module',
                                    'nothing' if here is None else 'a module'))
         for name in sorted(set(here) | set(there)):
             if here.get(name) != there.get(name):
-                raise RuntimeError('this replica cannot heal from {}: {}.{} is {} there and {} here; start every '
-                                   'replica with the same model'.format(
+                raise Refused('this replica cannot heal from {}: {}.{} is {} there and {} here; start every '
+                              'replica with the same model'.format(
                                        source, label, name, _say(there.get(name)), _say(here.get(name))))
 
 
@@ -60,24 +112,27 @@ def _say(entry):
     return 'missing' if entry is None else '{} {}'.format(list(entry[0]), entry[1].replace('torch.', ''))
 
 
-def restore(state, payload, source):
+def restore(state, payload, source, mine):
     """Load the healer's :func:`capture` into this replica's ``state``; return the healer's position.
 
-    A RuntimeError (``source`` names the healer) where the payload is not this package's or its models or
-    optimizers differ from this replica's (named): the healthy replicas are left alone.
+    Raises:
+        Refused: (``source`` names the healer) the payload is not this package's, or its :func:`config`, models
+            or optimizers differ from ``mine`` and this replica's (named): the healthy replicas are left alone
     """
     if not isinstance(payload, dict) or payload.get('format') != FORMAT:
-        raise RuntimeError('this replica cannot heal from {}: it sent no {} state (another package version?); start '
+        raise Refused('this replica cannot heal from {}: it sent no {} state (another package version?); start '
                            'every replica with the same torchbearer_dist'.format(source, FORMAT))
+    _check_config(mine, payload['config'])
     modules = dict(held_modules(state))
     _check_same_model(_layout({label: m.state_dict() for label, m in modules.items()}), payload['layout'], source)
-    mine = optimizers(state)
-    if len(mine) != len(payload['optimizers']):
-        raise RuntimeError('this replica cannot heal from {}: it holds {} optimizers there and {} here; start every '
-                           'replica with the same program'.format(source, len(payload['optimizers']), len(mine)))
+    held = optimizers(state)
+    here = [_optimizer_layout(opt) for opt in held]
+    if here != payload['optimizer_layout']:
+        raise Refused('this replica cannot heal from {}: it holds the optimizers {} there and {} here; start every '
+                      'replica with the same program'.format(source, payload['optimizer_layout'], here))
     for label, module in modules.items():
         module.load_state_dict(payload['modules'][label])
-    for optimizer, saved in zip(mine, payload['optimizers']):
+    for optimizer, saved in zip(held, payload['optimizers']):
         optimizer.load_state_dict(saved)
     history = state[torchbearer.HISTORY]
     history[:] = [dict(entry) for entry in payload['history']]  # the Trial's own list: run() counts epochs from it

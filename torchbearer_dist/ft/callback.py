@@ -6,16 +6,19 @@ import torch
 import torchbearer
 from torchbearer import Callback
 
+from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks._batches import batch_size
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
-from torchbearer_dist.ft import _heal
+from torchbearer_dist.ft import _events, _heal, _signals
+from torchbearer_dist.ft._pause import PauseClock
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
 from torchbearer_dist.sync import collectives, meeting
 from torchbearer_dist.sync._autograd import queue_at_backward_end
+from torchbearer_dist.sync.fingerprint import fingerprint
 from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, pack
 
 
@@ -29,9 +32,14 @@ class FaultTolerantAllReduce(Callback):
     dropped on every survivor, who go on among themselves. A replica that starts while others train heals at
     the start of ``run()`` from a healthy one (every model and optimizer the Trial holds, the callbacks'
     states, the history, the position in the epoch) and trains the healer's next batch beside it. At the first
-    step every replica takes the first one's weights (torchft's ``init_sync``). With ``every_step=False`` it
-    does neither at each step: :class:`~torchbearer_dist.DiLoCo`'s meetings go through it instead
-    (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
+    step every replica takes the first one's weights (torchft's ``init_sync``). A replica healed in the middle
+    of its run (paused past the lighthouse's heartbeat, or its healer lost during a heal) ends its step with the
+    others, then its ``run()`` ends and begins again at the healer's position (``restarts`` counts these). A
+    replica whose configuration differs from the replicas training (shard count, batch size, DiLoCo's
+    ``local_steps``, models, optimizers, versions) or whose ``replica_id`` is its healer's is refused in one line
+    where it would heal; at the end of ``run()`` the replicas of the last quorum compare their weights. With
+    ``every_step=False`` there is no quorum nor averaging at each step: :class:`~torchbearer_dist.DiLoCo`'s
+    meetings go through it instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
 
     At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
     figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
@@ -59,7 +67,9 @@ class FaultTolerantAllReduce(Callback):
     Raises:
         ValueError: a bad option
         RuntimeError: torchft is missing; the lighthouse does not answer (named); no quorum of ``min_replicas``
-            within ``timeout``; this replica cannot heal (another model or version: on it only); a process group
+            within ``timeout``; this replica cannot join or heal (another configuration, model or version, a taken
+            ``replica_id``: on it only); it was paused until nobody was left; the replicas ended with different
+            weights; a process group
 
     State Requirements:
         - :attr:`torchbearer.state.MODEL`, :attr:`torchbearer.state.OPTIMIZER` and any other held module
@@ -82,9 +92,11 @@ class FaultTolerantAllReduce(Callback):
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
-        self.replica, self._hooks = None, []
+        self.replica, self._hooks, self._signals = None, [], None
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
+        self.restarts = 0  # runs this replica ended and began again at its healer's position (a heal mid-run)
+        self._restart = None  # that position, from a heal mid-run until the run begins again there
         self._reset()
 
     def _reset(self):
@@ -96,6 +108,12 @@ class FaultTolerantAllReduce(Callback):
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
 
     def on_start(self, state):
+        restart, self._restart = self._restart, None
+        if restart is not None and self.replica is not None:  # the run that begins again where the healer is
+            self._state = weakref.ref(state)
+            weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
+            self._pending, self._open = restart, False  # its first step (or meeting) takes a quorum of its own
+            return
         if state.get(torchbearer.GENERATOR) is not None:
             return  # evaluate() and predict() set their loader before on_start; run() does not: no quorum there
         if collectives.world_size() > 1:
@@ -107,8 +125,11 @@ class FaultTolerantAllReduce(Callback):
         self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
         self._summed = loss_is_summed(state, self.loss_reduction)
         replica_id = self.replica_id or socket.gethostname().replace(':', '_')
+        # Ctrl-C and SIGTERM end this replica within 1.5 s, wherever they land, in one line (see _signals)
+        self._signals = _signals.SignalStop(replica_id, lambda: (self._state and self._state(), self._passing))
         self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
                                self.timeout, self.host)
+        self._clock, self._peers = PauseClock(), 0  # how long this process was stopped; the last quorum's replicas
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
         if self.every_step:
             self._gate(state)
@@ -116,12 +137,22 @@ class FaultTolerantAllReduce(Callback):
         self._open = True  # this quorum serves the first step
 
     def _start_quorum(self, shrink_only=False):
+        stopped, heals = self._clock.take(), self.heals
         self.replica.start_quorum(shrink_only)
-        self.writer = self._state()[WRITER] = self.replica.manager.participating_rank() == 0
+        manager = self.replica.manager
+        count = manager.num_participants()
+        if stopped and self._peers > 1 and count == 1 and self.heals == heals:
+            raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) and finds no live '
+                                'replica since: the others finished or were lost meanwhile; it stops rather than '
+                                'train on alone from where it was (restart it to start anew)'.format(stopped))
+        self._peers = count
+        self.writer = self._state()[WRITER] = manager.participating_rank() == 0
 
     def on_start_training(self, state):
-        if self.replica is None:
-            return
+        if self.replica is None:  # only run() trains: one that began with a loader left in state, not evaluate()
+            raise RuntimeError('this run of the Trial began without joining the replicas (its on_start found the '
+                               'loader of an earlier pass in state[generator]: after a run that raised?); call '
+                               'trial.run() in a new process, or build the Trial again')
         pending, self._pending = self._pending, None
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
@@ -146,8 +177,8 @@ class FaultTolerantAllReduce(Callback):
             bucket.reset()
         if self._open:
             self._open = False
-        else:
-            self._start_quorum()
+        else:  # the epoch's last step takes no new replica: healed there, it would have no batch left to go on from
+            self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS])
 
     def on_sample_validation(self, state):
         self._samples['val'] += batch_size(state) or 0
@@ -173,6 +204,8 @@ class FaultTolerantAllReduce(Callback):
 
     def on_step_training(self, state):
         self._in_step = False
+        if self._restart is not None:  # healed mid-run: end this run, begin again at the healer's position (on_end)
+            state[torchbearer.STOP_TRAINING] = True
 
     def _send(self, bucket):
         op = torch.distributed.ReduceOp.SUM if self._summed else torch.distributed.ReduceOp.AVG
@@ -196,6 +229,8 @@ class FaultTolerantAllReduce(Callback):
         After a quorum (``quorum``), where a replica behind heals and counts as not trained; one that ends a pass
         takes no new replica (``shrink_only``: healed there, it would start a pass with no batch left).
         """
+        if not quorum and not self._open:  # no quorum at this run's start (it began again after a heal mid-run)
+            return False
         if quorum:
             heals, self._meets, state = self.heals, True, self._state()
             try:
@@ -204,7 +239,19 @@ class FaultTolerantAllReduce(Callback):
             finally:
                 self._meets = False
             trained = trained and self.heals == heals
-        return meeting.meet(self.replica.manager, engine, trained)
+        committed = meeting.meet(self.replica.manager, engine, trained)
+        if not committed:
+            self._dropped('meeting')
+        return committed
+
+    def _dropped(self, what):
+        """One line: this step (or meeting) was not committed on any replica, and why (torchft's first line)."""
+        state, error = self._state(), self.replica.manager.errored()
+        why = str(error.original_exception if hasattr(error, 'original_exception') else error).strip() \
+            if error is not None else 'another replica failed it, or too few replicas were live'
+        _events.say('replica {} dropped the {} at epoch {}, batch {} on every replica: {}'.format(
+            self.replica.replica_id, what, state[torchbearer.EPOCH], state[torchbearer.BATCH],
+            (why.splitlines() or ['?'])[0][:200]))
 
     def _gate(self, state):
         """Every optimizer of the Trial steps only if torchft commits the step (decided once per step): torchbearer
@@ -219,6 +266,8 @@ class FaultTolerantAllReduce(Callback):
                     if not self._averaged:
                         self._average()
                     self._commit = self.replica.manager.should_commit()
+                    if not self._commit:
+                        self._dropped('step')
                 if self._commit:
                     _original()
                 return loss
@@ -235,7 +284,7 @@ class FaultTolerantAllReduce(Callback):
     def _reduce_metrics(self, state, weight):
         """The pass's figures, averaged over the last step's replicas weighted by their samples (before any
         ``on_end_epoch``); where a replica was lost since that step they stay this replica's own."""
-        if self.replica is None:
+        if self.replica is None or self._restart is not None:  # a run that ends to begin again meets nobody
             return
         metrics = state[torchbearer.METRICS]
         names = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
@@ -247,6 +296,16 @@ class FaultTolerantAllReduce(Callback):
             for i, name in enumerate(names):
                 metrics[name] = total[i] / total[-1]
 
+    def _config(self, state):
+        """What every replica of a run must share, sent with a heal and checked by the healed replica."""
+        loader = state.get(torchbearer.TRAIN_GENERATOR)
+        sampler = distributed_sampler(loader) if loader is not None else None
+        callbacks = state.get(torchbearer.CALLBACK_LIST)
+        diloco = [c for c in (callbacks or ()) if getattr(c, 'meetings', None) is self]
+        return _heal.config(replica_id=self.replica.replica_id, shards=getattr(sampler, 'num_replicas', None),
+                            batch_size=getattr(getattr(loader, 'batch_sampler', None), 'batch_size', None),
+                            local_steps=diloco[0].local_steps if diloco else None)
+
     def _save(self):
         state = self._state()
         loader = state.get(torchbearer.GENERATOR)
@@ -257,20 +316,70 @@ class FaultTolerantAllReduce(Callback):
                     'batches': state[torchbearer.BATCH] + self._meets if training else 0,
                     'batch_size': getattr(getattr(loader, 'batch_sampler', None), 'batch_size', None),
                     'world_size': getattr(sampler, 'num_replicas', 1)}
-        return _heal.capture(state, position)
+        return _heal.capture(state, position, self._config(state))
 
     def _load(self, payload):
+        state = self._state()
+        position = _heal.restore(state, payload, 'a healthy replica', self._config(state))
         if self.replica.manager.current_step() > 0:  # not the first step's init_sync: a heal
             self.heals += 1
-        position = _heal.restore(self._state(), payload, 'a healthy replica')
         if not (self._in_step or self._meets):
-            self._pending = position
+            self._pending = position  # at the run's start: its first epoch begins at the healer's position
+            if self.heals:
+                _events.say('replica {} healed from a live replica: it goes on at epoch {}, batch {}'.format(
+                    self.replica.replica_id, position['epoch'], position['batches']))
+            return
+        # Mid-run (a pause past the heartbeat, a heal cut short before): this step or meeting ends together with
+        # the healer's, then the healer trains its next batch; this replica's Trial cannot jump there inside its
+        # loop, so the run ends after this step and begins again there (on_end), on the same Manager.
+        epoch, steps = state[torchbearer.EPOCH], state[torchbearer.STEPS]
+        target = dict(position, batches=position['batches'] + self._in_step)
+        if (target['epoch'], target['batches']) == (epoch, state[torchbearer.BATCH] + 1):
+            return  # already there
+        if target['batches'] >= steps:
+            raise _heal.Refused('this replica healed at the last step of epoch {} (it was at epoch {}, batch {}), '
+                                'where its run cannot go on from the healer\'s position; restart it: it heals again '
+                                'at its start'.format(target['epoch'], epoch, state[torchbearer.BATCH]))
+        self._restart = target
+        _events.say('replica {} healed mid-run at epoch {}, batch {} (it was at epoch {}, batch {}): its run ends '
+                    'after this step and begins again there'.format(self.replica.replica_id, target['epoch'],
+                                                                   target['batches'], epoch, state[torchbearer.BATCH]))
 
     # --- the end of a run, however it ends ------------------------------------------------------------------
 
     def on_end(self, state):
-        if self._state is not None and self._state() is state:
+        _torchbearer.forget_loader(state)  # after run(), evaluate() or predict(): the next on_start tells them apart
+        if self._state is None or self._state() is not state:
+            return
+        if self._restart is not None and self.replica is not None:
+            self.restarts += 1  # the same replica and Manager: the new run's first step takes the next quorum
+            state[torchbearer.SELF].run(state[torchbearer.MAX_EPOCHS], verbose=0)  # the printer of this run goes on
+            return
+        try:
+            self._agree_at_end(state)
+        finally:
             self._release()
+
+    def _agree_at_end(self, state):
+        """The replicas of the last quorum compare their weights' fingerprints: a difference is an error."""
+        manager = self.replica.manager
+        count, rank = manager.num_participants(), manager.participating_rank()
+        if count <= 1 or rank is None or manager.errored() is not None:
+            return
+        mine = torch.stack([fingerprint(p) for _, p in trainable(state)]) if trainable(state) else torch.zeros(1, 2)
+        rows = torch.zeros(count, 2, dtype=torch.int64)
+        rows[rank] = fingerprint(mine)
+        manager.allreduce(rows, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            _events.say('replica {} could not compare its final weights with the others: a replica was lost after '
+                        'the last step'.format(self.replica.replica_id))
+            return
+        differ = [i for i in range(count) if not torch.equal(rows[i], rows[rank])]
+        if differ:
+            raise RuntimeError('the replicas of the last quorum ended the run with different weights: this one '
+                               '(replica {}, rank {} of {}) differs from ranks {}; they trained different models, a '
+                               'bug of torchbearer_dist: please report it with every replica\'s output'.format(
+                                   self.replica.replica_id, rank, count, differ))
 
     @staticmethod
     def _expire(ref, state_ref):
@@ -287,5 +396,9 @@ class FaultTolerantAllReduce(Callback):
         self._gated = []
         replica, self.replica = self.replica, None
         if replica is not None:
+            self._clock.stop()
             replica.shutdown()
         self._state = None
+        signals, self._signals = self._signals, None
+        if signals is not None:  # the handlers found at the start, back
+            signals.close()

@@ -4,6 +4,11 @@
 
     python -m torchbearer_dist.ft --min-replicas 1 --bind 0.0.0.0:29510
     torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510     # torchft's own command, the same server
+
+torchft's Rust log is at WARN here unless ``RUST_LOG`` (or ``TORCHBEARER_DIST_FT_VERBOSE=1``, torchft's
+default: INFO, lines for every quorum) says otherwise. The replicas watch the lighthouse through the dashboard it
+serves at ``/`` (``http://HOST:29510/``, torchft's): one that has not answered for their ``timeout`` is lost,
+one restarted at the same address within it is rejoined.
 """
 import argparse
 import signal

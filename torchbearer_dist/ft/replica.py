@@ -1,27 +1,44 @@
-"""This process as one torchft replica group: its store, its gloo group and its Manager (torchft's public API only;
-:class:`~torchbearer_dist.ft.callback.FaultTolerantAllReduce` drives it through a Trial)."""
-import logging
+"""This process as one torchft replica group: its store, its gloo group and its Manager (torchft's public API, but
+for what :mod:`~torchbearer_dist.ft._torchft` reads; :class:`~torchbearer_dist.ft.callback.FaultTolerantAllReduce`
+drives it through a Trial)."""
+import importlib
 import os
 import socket
+import sys
+import threading
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
 from torch.distributed import TCPStore
 
+from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
+from torchbearer_dist.ft._heal import Refused
 from torchbearer_dist.runtime.network import route_source
 
 #: A quorum may take this many ``timeout``\ s: the others may be stuck up to one ``timeout`` in a collective
 #: with a lost peer, and the lighthouse waits for them (its join timeout, at least one ``timeout``).
 QUORUM_TIMEOUTS = 3
+#: torchft retries a quorum that the lighthouse failed (it went) this many times within the quorum's timeout,
+#: about a tenth of ``timeout`` apart: a lighthouse restarted at the same address within ``timeout`` is rejoined.
+QUORUM_RETRIES = 30
+#: Seconds the main thread gets to take the error of a lost lighthouse where it waits for no quorum (a long
+#: step, a validation pass, DiLoCo's local steps); then the watch writes the line and ends the process.
+GRACE = 2.0
+#: Seconds between quorums while fewer live replicas than this replica's ``min_replicas`` are there.
+MIN_REPLICAS_POLL = 0.5
 #: How a user installs torchft, in every error that finds it missing.
 INSTALL = 'pip install "torchbearer_dist[ft]"'
+#: How to start a lighthouse, in the errors that find none.
+START = 'python -m torchbearer_dist.ft --min-replicas N'
 
 
 def require_torchft():
-    """The ``torchft`` package, imported; a one-line RuntimeError saying how to install it where it is missing."""
+    """The ``torchft`` package, imported (quietly, see :func:`~torchbearer_dist.ft._quiet.import_torchft`); a
+    one-line RuntimeError saying how to install it where it is missing."""
     try:
-        import torchft
-        import torchft.coordination  # noqa: F401
+        torchft = _quiet.import_torchft()
+        importlib.import_module('torchft.coordination')
     except ImportError as e:
         raise RuntimeError('the fault-tolerant mode needs torchft, which is not importable ({}); install it with '
                            '{}'.format(e, INSTALL)) from None
@@ -48,19 +65,48 @@ def lighthouse_address(lighthouse):
     return url
 
 
+def not_a_lighthouse(url, observation, what, timeout):
+    """The line for something at ``url`` that is not a torchft lighthouse (``observation`` ``'foreign'`` or
+    ``'silent'`` of :func:`~torchbearer_dist.ft._watch.probe`, ``what`` it saw), None for anything else."""
+    if observation == _watch.FOREIGN:
+        return 'something at {} answers but is not a torchft lighthouse ({})'.format(url, what)
+    if observation == _watch.SILENT:
+        return 'something at {} accepts connections but did not answer as a torchft lighthouse within {:g} s'.format(
+            url, timeout)
+    return None
+
+
+def lost_line(url, observation, what, timeout):
+    """The line of a lighthouse lost during a run, as its last probe (``observation``, ``what``) found its address."""
+    other = not_a_lighthouse(url, observation, what, timeout)
+    if other is not None:
+        return '{}: the lighthouse was lost; start it there again ({}) and restart every replica'.format(other, START)
+    return ('the lighthouse at {} was lost: nothing answered there for {:g} s; start it there again ({}) and '
+            'restart every replica (a lighthouse back within {:g} s is rejoined)'.format(url, timeout, START, timeout))
+
+
 def check_lighthouse(url, timeout):
-    """Raise a one-line RuntimeError unless the lighthouse at ``url`` answers within ``timeout`` seconds."""
-    from torchft.coordination import LighthouseClient
-    try:
-        LighthouseClient(url, connect_timeout=timedelta(seconds=timeout))  # connects, or raises
-    except Exception:  # torchft raises RuntimeError with a Rust transport chain of several lines
-        raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it (python -m torchbearer_dist.ft '
-                           '--min-replicas N) or pass its address'.format(url, timeout)) from None
+    """Raise a one-line RuntimeError unless a torchft lighthouse answers at ``url`` within ``timeout`` seconds (it
+    may be starting): one that does not answer, or something else there, named."""
+    deadline, foreign = time.monotonic() + timeout, 0
+    while True:
+        observation, what = _watch.probe(url, max(deadline - time.monotonic(), 0.05))
+        if observation == _watch.LIGHTHOUSE:
+            return
+        foreign = foreign + 1 if observation == _watch.FOREIGN else 0
+        if foreign == 2 or time.monotonic() >= deadline:  # twice an answer, not a lighthouse's: no need to wait
+            break
+        time.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+    other = not_a_lighthouse(url, observation, what, timeout)
+    if other is not None:
+        raise RuntimeError('{}; start the lighthouse there ({}) or pass its address'.format(other, START))
+    raise RuntimeError('the lighthouse at {} did not answer within {:g} s; start it ({}) or pass its '
+                       'address'.format(url, timeout, START))
 
 
 def _transport(host, timeout):
     """torchft's HTTP checkpoint transport, advertising ``host`` where torchft advertises the host name (which
-    may resolve to another address, as in a network namespace or behind NAT)."""
+    may resolve to another address, as in a network namespace or behind NAT); its output quiet (see ``_quiet``)."""
     from torchft.checkpointing import HTTPTransport
 
     class Transport(HTTPTransport):
@@ -68,7 +114,9 @@ def _transport(host, timeout):
             url = urlparse(super().address())
             return url._replace(netloc='{}:{}'.format(host, url.port)).geturl()
 
-    return Transport(timeout=timeout, num_chunks=0)
+    transport = Transport(timeout=timeout, num_chunks=0)
+    _quiet.quiet_heal_server(_torchft.heal_server(transport))
+    return transport
 
 
 class Replica:
@@ -76,6 +124,14 @@ class Replica:
 
     The Manager averages through the group over the replicas of each quorum, and serves this replica's
     state (``state_dict()``) to replicas that heal from it, or loads a healthy one's (``load_state_dict``).
+
+    A thread watches the lighthouse (:mod:`~torchbearer_dist.ft._watch`): where no probe has found it for
+    ``timeout``, the main thread's quorum ends at once in a one-line RuntimeError that says so (or that something
+    else answers at its address); where the main thread waits for no quorum then, the watch writes that line
+    :data:`GRACE` seconds later and ends the process with status 1. A lighthouse restarted at the same address
+    within ``timeout`` is rejoined (torchft retries the quorum it failed), with one line saying so. While the
+    replica lives, torchft's tracebacks, its heal server's access lines and torch's heal warning go to the logger
+    ``torchbearer_dist.ft.torchft`` (``TORCHBEARER_DIST_FT_VERBOSE=1``: as torchft writes them; see ``_quiet``).
 
     Args:
         lighthouse (str): the lighthouse's URL
@@ -87,49 +143,128 @@ class Replica:
         host (str): the address other replicas reach this one at (default: the one on the route to the lighthouse)
 
     Raises:
-        RuntimeError: torchft is missing, or the lighthouse does not answer within ``timeout``
+        RuntimeError: torchft is missing, or no torchft lighthouse answers within ``timeout`` (something else there
+            named)
     """
 
     def __init__(self, lighthouse, replica_id, load_state_dict, state_dict, min_replicas=1, timeout=60.0, host=None):
         torchft = require_torchft()
         self.lighthouse, self.replica_id = lighthouse, replica_id
+        self.timeout, self.min_replicas = timeout, min_replicas
+        self.manager, self._watch = None, None
         check_lighthouse(lighthouse, timeout)
         parsed = urlparse(lighthouse)
         self.host = host or route_source(parsed.hostname, parsed.port) or socket.gethostname()
-        logging.getLogger('torchft').setLevel(logging.WARNING)
-        # The replica group's own store: one process per group, so this process is its master.
-        limit = timedelta(seconds=timeout)
-        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
-        self.group = torchft.ProcessGroupGloo(timeout=limit)
-        self.manager = torchft.Manager(
-            pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
-            use_async_quorum=False, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
-            rank=0, world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit))
-        self.timeout, self.min_replicas = timeout, min_replicas
+        self._quiet = _quiet.Quiet.open()
+        try:
+            # The replica group's own store: one process per group, so this process is its master.
+            limit = timedelta(seconds=timeout)
+            self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
+            self.group = torchft.ProcessGroupGloo(timeout=limit)
+            self.manager = torchft.Manager(
+                pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
+                use_async_quorum=False, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
+                rank=0, world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+                replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit),
+                quorum_retries=QUORUM_RETRIES)
+        except BaseException:
+            self._close_quiet()
+            raise
+        # The watch's verdict, taken by the main thread (it raised it), and whether that thread waits for a quorum.
+        self._failure, self._taken, self._in_quorum = None, threading.Event(), False
+        self._watch = _watch.Watch(lighthouse, timeout, self._on_watch)
 
     def start_quorum(self, shrink_only=False):
         """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only.
 
         Raises:
-            RuntimeError: no quorum within the timeout: the lighthouse no longer answers (named), or too few replicas
+            RuntimeError: the lighthouse was lost, or something else answers at its address (named, within
+                ``timeout``); no quorum within the timeout: too few replicas, or torchft lost it to a restart of
+                the lighthouse
 
         .. warning:: A synchronization point with the lighthouse and the other live replicas.
         """
+        self._raise_failure()
+        started = time.monotonic()
+        deadline = started + QUORUM_TIMEOUTS * self.timeout
+        self._in_quorum = True
         try:
-            self.manager.start_quorum(shrink_only=shrink_only)
+            while True:  # the lighthouse's minimum may be lower than this replica's: its quorums come again
+                left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                self.manager.start_quorum(shrink_only=shrink_only, timeout=left)
+                live = self.manager.num_participants()
+                if live >= self.min_replicas:
+                    break
+                if time.monotonic() >= deadline:
+                    raise RuntimeError('{} live replica{} in the last quorum'.format(live, 's' * (live != 1)))
+                time.sleep(min(MIN_REPLICAS_POLL, max(deadline - time.monotonic(), 0)))
         except Exception as e:
-            if isinstance(e, RuntimeError) and str(e).startswith('this replica cannot heal'):
+            if isinstance(e, Refused):
                 raise  # the heal's own one-line error (_heal.restore), raised on this replica only
-            check_lighthouse(self.lighthouse, min(self.timeout, 5.0))
-            raise RuntimeError('no quorum within {:g} s at the lighthouse {}: fewer live replicas than the minimum '
-                               '(its --min-replicas, or min_replicas={} here); start more replicas or lower the '
-                               'minimum ({})'.format(QUORUM_TIMEOUTS * self.timeout, self.lighthouse, self.min_replicas,
-                                                     (str(e).splitlines() or [type(e).__name__])[0][:120])) from None
+            self._raise_failure()
+            raise RuntimeError(self._no_quorum(started, e)) from None
+        finally:
+            self._in_quorum = False
+        self._raise_failure()  # a verdict that came as the quorum ended: the same on every replica
+        event = self._watch.observe(time.monotonic(), _watch.LIGHTHOUSE, 'a quorum')  # it formed one: it lives
+        if event is not None:
+            self._on_watch(event)
+
+    def _raise_failure(self):
+        if self._failure is not None:
+            self._taken.set()
+            raise self._failure
+
+    def _no_quorum(self, started, error):
+        """Why no quorum came: what answers at the lighthouse's address now, whether it went during the quorum."""
+        observation, what = _watch.probe(self.lighthouse, min(self.timeout, 5.0))
+        if observation != _watch.LIGHTHOUSE:
+            return lost_line(self.lighthouse, observation, what, self.timeout)
+        head = 'no quorum within {:g} s at the lighthouse {}: '.format(QUORUM_TIMEOUTS * self.timeout, self.lighthouse)
+        gap = self._watch.verdict.gap
+        if gap is not None and gap[1] >= started:
+            return head + ('it did not answer for {:.1f} s during the quorum and answers again (restarted?), but '
+                           'torchft lost the quorum; restart every replica'.format(gap[1] - gap[0]))
+        return head + ('fewer live replicas than the minimum (its --min-replicas, or min_replicas={} here); start '
+                       'more replicas or lower the minimum ({})'.format(
+                           self.min_replicas, (str(error).splitlines() or [type(error).__name__])[0][:120]))
+
+    def _on_watch(self, event):
+        """On the watch's thread: the lighthouse back (a line), or lost (the main thread's quorum ends in the line)."""
+        if event[0] == 'back':
+            _events.say('replica {} found the lighthouse at {} again after {:.1f} s without an answer (restarted?); '
+                        'training goes on'.format(self.replica_id, self.lighthouse, event[1]))
+            return
+        _, observation, what, _ = event
+        self._failure = RuntimeError(lost_line(self.lighthouse, observation, what, self.timeout))
+        end = time.monotonic() + GRACE
+        while not self._taken.wait(0.05) and time.monotonic() < end:
+            manager = self.manager
+            if manager is None:
+                return  # shut down: the run ended meanwhile
+            if self._in_quorum:
+                _torchft.wake_quorum_wait(manager)
+        if self._taken.is_set() or self.manager is None:
+            return
+        # The main thread waits for no quorum (it trains, validates, or is stuck in native code): end it here.
+        sys.stdout.flush()
+        sys.stderr.write('torchbearer_dist: error: {} (replica {} ends here: its main thread did not come to a '
+                         'quorum within {:g} s)\n'.format(self._failure, self.replica_id, GRACE))
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _close_quiet(self):
+        if self._quiet:
+            self._quiet = False
+            _quiet.Quiet.close()
 
     def shutdown(self):
-        """Stop the Manager's server, its checkpoint server and the group; idempotent."""
+        """Stop the watch, the Manager's server, its checkpoint server and the group; idempotent."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         manager, self.manager = self.manager, None
         if manager is not None:
             manager.shutdown(wait=False)
             self.group.shutdown()
+        self._close_quiet()

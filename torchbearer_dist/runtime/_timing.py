@@ -18,6 +18,8 @@ class Timing:
     # after Ctrl-C, the main thread's own handling gets this long, then its collective is failed, and this long
     # again before a main thread stuck in native code is ended
     INTERRUPT_GRACE = 2.0
+    # a replica of the fault-tolerant mode ends this long after SIGINT or SIGTERM at the latest (ft/_signals.py)
+    REPLICA_STOP_GRACE = 1.5
     # launch() waits this long after the first failure for the other ranks' reports (the root cause may come second)
     KILL_GRACE = 3.0
 

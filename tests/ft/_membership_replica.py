@@ -1,0 +1,256 @@
+"""One replica of tests/ft/test_membership_semantics.py: a small float64 Trial whose every step goes through torchft.
+
+Replica ``r`` trains its own shard of :func:`dataset`, in order: :data:`TRAIN` ``[r]`` training samples and
+:data:`VAL` ``[r]`` validation ones. Every replica takes the same number of steps, but the last batches differ
+in size, and the labels are noisier on some shards than on others, so that the replicas' figures differ.
+
+Its callbacks: :class:`Local` before ours (each pass's figures before they are averaged over the replicas, as
+``LOCAL <json>`` lines; with ``--die-at EPOCH BATCH`` this process SIGKILLs itself inside that step, after its
+forward pass, while the others wait in the all-reduce for its gradients),
+:class:`~torchbearer_dist.FaultTolerantAllReduce`, then :class:`Steps` after ours (each step's weights and
+optimizer state before and after it, its quorum's size and whether torchft committed it; saved to ``--record``,
+also where the run fails). Prints ``DONE <history json>`` at the end; an error ends it with one line on stderr,
+``ELAPSED <s>`` (seconds since ``run()`` began) on stdout and status 1.
+
+``TBD_MUTANT=<name>`` breaks the package on purpose in this process (:data:`MUTANTS`, by monkeypatching);
+tests/scripts/ft_semantics_mutants.py checks that each one fails its test.
+"""
+import argparse
+import copy
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torchbearer
+from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader, TensorDataset
+from torchbearer import Callback, Trial
+
+import torchbearer_dist as tbd
+
+BATCH, LR, MOMENTUM = 4, 0.1, 0.9
+#: Each replica's samples: 6 training steps each, the last one of 4, 1 and 2 samples; 2, 1 and 2 validation steps.
+TRAIN, VAL = (24, 21, 22), (8, 3, 5)
+#: How far each shard's labels are from the rule the model can learn (its figures differ from the others').
+NOISE = (0.0, 2.0, 1.0)
+FEATURES, CLASSES = 6, 3
+
+
+def dataset():
+    """Every replica's data: the training shards one after the other, then the validation shards."""
+    sizes = TRAIN + VAL
+    x = torch.randn(sum(sizes), FEATURES, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    noise = torch.randn(sum(sizes), CLASSES, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scale = torch.cat([torch.full((n, 1), NOISE[i % len(TRAIN)], dtype=torch.float64) for i, n in enumerate(sizes)])
+    return TensorDataset(x, (x[:, :CLASSES] + scale * noise).argmax(1))
+
+
+def shard(replica, kind='train'):
+    """The indices of ``replica``'s shard of :func:`dataset`, in the order it trains (or validates) them."""
+    start = sum(TRAIN[:replica]) if kind == 'train' else sum(TRAIN) + sum(VAL[:replica])
+    return list(range(start, start + (TRAIN if kind == 'train' else VAL)[replica]))
+
+
+def batch(data, replica, k):
+    """``replica``'s ``k``-th training batch: inputs and targets."""
+    return data[shard(replica)[k * BATCH:(k + 1) * BATCH]]
+
+
+def model(replica):
+    torch.manual_seed(100 + replica)  # different initial weights: the first step's init_sync aligns them
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES)).double()
+
+
+def optimizer(net):
+    return torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class Local(Callback):
+    """Before ours: the time ``run()`` began, each pass's figures and samples before they are averaged, and the
+    kill inside step ``die_at`` (after the forward pass, ``delay`` s later, when the others wait for this one)."""
+
+    def __init__(self, die_at=None, delay=1.5):
+        super().__init__()
+        self.die_at, self.delay, self.began, self.samples = die_at, delay, None, 0
+
+    def on_start(self, state):
+        self.began = time.monotonic()
+
+    def on_start_training(self, state):
+        self.samples = 0
+
+    on_start_validation = on_start_training
+
+    def on_sample(self, state):
+        self.samples += state[torchbearer.Y_TRUE].size(0)
+
+    on_sample_validation = on_sample
+
+    def on_criterion(self, state):
+        if self.die_at == [state[torchbearer.EPOCH], state[torchbearer.BATCH]]:
+            print('DYING', flush=True)
+            time.sleep(self.delay)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _report(self, state, kind):
+        figures = {k: float(v) for k, v in state[torchbearer.METRICS].items() if k.endswith(('loss', 'acc'))}
+        print('LOCAL', json.dumps({'epoch': state[torchbearer.EPOCH], 'pass': kind, 'samples': self.samples,
+                                   'metrics': figures}, sort_keys=True), flush=True)
+
+    def on_end_training(self, state):
+        self._report(state, 'train')
+
+    def on_end_validation(self, state):
+        self._report(state, 'val')
+
+
+def _snapshot(state):
+    return copy.deepcopy({'model': state[torchbearer.MODEL].state_dict(),
+                          'optimizer': state[torchbearer.OPTIMIZER].state_dict()})
+
+
+class Steps(Callback):
+    """After ours: each step's batch, its quorum's size, the weights and optimizer state after the quorum and after
+    the step, and whether torchft committed the step (its step count went up)."""
+
+    def __init__(self, ft):
+        super().__init__()
+        self.ft, self.steps, self.current = ft, [], None
+
+    def on_sample(self, state):
+        manager = self.ft.replica.manager
+        self.current = {'epoch': state[torchbearer.EPOCH], 'batch': state[torchbearer.BATCH],
+                        'x': state[torchbearer.X].clone(), 'y': state[torchbearer.Y_TRUE].clone(),
+                        'participants': manager.num_participants(), 'step': manager.current_step(),
+                        'before': _snapshot(state)}
+
+    def on_step_training(self, state):
+        committed = self.ft.replica.manager.current_step() > self.current['step']
+        self.current.update(after=_snapshot(state), committed=committed)
+        self.steps.append(self.current)
+
+
+def _first_quorum_together(folder, replica, replicas):
+    """The first quorum of every replica waits until all ``replicas`` have their Manager up, and a second more
+    (every Manager heartbeats every 0.1 s): the lighthouse then waits for all of them (its join timeout), so
+    that the first quorum holds them all, in whatever order their processes started. A test harness, not a
+    mutant."""
+    from torchbearer_dist.ft.replica import Replica
+    original = Replica.start_quorum
+
+    def start_quorum(self, shrink_only=False):
+        Replica.start_quorum = original
+        open(os.path.join(folder, 'up-{}'.format(replica)), 'w').close()
+        end = time.monotonic() + 120
+        while len([n for n in os.listdir(folder) if n.startswith('up-')]) < replicas and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        return original(self, shrink_only)
+    Replica.start_quorum = start_quorum
+
+
+class _Then:
+    """A torchft Work whose ``wait()`` then runs ``then()``."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self, timeout=None):
+        done = self.work.wait()
+        self.then()
+        return done
+
+
+def _configured_count(replicas):
+    """The gradients averaged over the configured replicas, not the live ones: AVG as a SUM divided by N."""
+    import torchft
+    original = torchft.Manager.allreduce
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=ReduceOp.AVG):
+        if reduce_op != ReduceOp.AVG:
+            return original(self, tensor, should_quantize, reduce_op)
+        return _Then(original(self, tensor, should_quantize, ReduceOp.SUM), lambda: tensor.div_(replicas))
+    torchft.Manager.allreduce = allreduce
+
+
+def _unweighted_metrics(replicas):
+    """The epoch figures averaged over the replicas as if each had the same samples."""
+    original = tbd.FaultTolerantAllReduce._reduce_metrics
+    tbd.FaultTolerantAllReduce._reduce_metrics = lambda self, state, weight: original(self, state, 1 if weight else 0)
+
+
+def _step_uncommitted(replicas):
+    """The optimizers step whatever torchft decided: its verdict is asked for, then ignored."""
+    import torchft
+    original = torchft.Manager.should_commit
+
+    def should_commit(self, timeout=None):
+        original(self, timeout)
+        return True
+    torchft.Manager.should_commit = should_commit
+
+
+def _quorum_wait(replicas):
+    """A quorum waits one timeout, where the message says three."""
+    import torchft
+    original = torchft.Manager.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs['quorum_timeout'] = kwargs['timeout']
+        original(self, *args, **kwargs)
+    torchft.Manager.__init__ = __init__
+
+
+#: ``TBD_MUTANT`` names: the bug each one plants.
+MUTANTS = {'configured_count': _configured_count, 'unweighted_metrics': _unweighted_metrics,
+           'step_uncommitted': _step_uncommitted, 'quorum_wait': _quorum_wait}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--lighthouse', type=str, required=True)
+    parser.add_argument('--replica', type=int, required=True)
+    parser.add_argument('--replicas', type=int, default=3)
+    parser.add_argument('--epochs', type=int, default=2)
+    parser.add_argument('--timeout', type=float, default=10.0)
+    parser.add_argument('--min-replicas', type=int, default=1)
+    parser.add_argument('--record', type=str, help='save every step (Steps) here (torch.save)')
+    parser.add_argument('--die-at', type=int, nargs=2, metavar=('EPOCH', 'BATCH'), help='SIGKILL inside that step')
+    parser.add_argument('--barrier', type=str, help='a folder: the first quorum waits for every replica there')
+    args = parser.parse_args()
+    mutant = os.environ.get('TBD_MUTANT')
+    if mutant:
+        MUTANTS[mutant](args.replicas)
+    if args.barrier:
+        _first_quorum_together(args.barrier, args.replica, args.replicas)
+    torch.set_num_threads(1)
+    data = dataset()
+    net = model(args.replica)
+    ft = tbd.FaultTolerantAllReduce(args.lighthouse, replica_id='r{}'.format(args.replica), timeout=args.timeout,
+                                    min_replicas=args.min_replicas)
+    local, steps = Local(args.die_at), Steps(ft)
+    trial = Trial(net, optimizer(net), torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
+                  callbacks=[local, ft, steps]).to(torch.float64)  # torchbearer casts each batch to its dtype
+    trial.with_generators(DataLoader(data, batch_size=BATCH, sampler=shard(args.replica)),
+                          val_generator=DataLoader(data, batch_size=BATCH, sampler=shard(args.replica, 'val')))
+    print('READY', flush=True)
+    try:
+        history = trial.run(args.epochs, verbose=0)
+    except (RuntimeError, ValueError):
+        print('ELAPSED', time.monotonic() - local.began, flush=True)
+        raise
+    finally:  # also where the run fails: the steps it took are what a test checks first
+        if args.record:
+            torch.save(steps.steps, args.record)
+    print('DONE', json.dumps(history, sort_keys=True), flush=True)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except (RuntimeError, ValueError) as e:
+        print('error: {}'.format(e), file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,53 @@
+"""Canaries for what torchbearer_dist.ft._torchft reads of torchft's internals (torchft 0.2.0): each fails, naming
+the detail, if a new torchft moves it. Real torchft objects in this process, a real lighthouse."""
+import threading
+import time
+
+import pytest
+
+pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
+
+from torchbearer_dist.ft import Lighthouse, _torchft, _watch  # noqa: E402 (after the skip)
+from torchbearer_dist.ft.replica import Replica  # noqa: E402
+
+
+def test_a_lighthouse_serves_its_dashboard_with_the_title_the_watch_looks_for():
+    with Lighthouse(bind='127.0.0.1:0') as lighthouse:
+        url = 'http://127.0.0.1:' + lighthouse.address.rsplit(':', 1)[1]
+        assert _watch.probe(url, 10.0) == ('lighthouse', 'a torchft lighthouse'), (
+            'torchft\'s lighthouse no longer serves "{}" at /: update _torchft.DASHBOARD_TITLE'.format(
+                _torchft.DASHBOARD_TITLE))
+
+
+def test_the_heal_transport_keeps_its_http_server_where_the_quieting_reaches_it():
+    from datetime import timedelta
+
+    from torchft.checkpointing import HTTPTransport
+    transport = HTTPTransport(timeout=timedelta(seconds=5), num_chunks=0)
+    try:
+        server = _torchft.heal_server(transport)
+        assert hasattr(server, 'RequestHandlerClass') and callable(server.handle_error), (
+            'HTTPTransport._server is no longer a socketserver server: update _torchft.heal_server')
+        assert callable(getattr(server.RequestHandlerClass, 'log_message', None))
+    finally:
+        transport.shutdown(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_wait_for_the_quorum_in_flight_ends_at_once_when_woken():
+    # Two replicas needed, one there: its quorum waits (up to 3 x 2 s) until woken.
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=1.0, heartbeat_timeout=2.0) as lighthouse:
+        url = 'http://127.0.0.1:' + lighthouse.address.rsplit(':', 1)[1]
+        replica = Replica(url, 'canary', lambda payload: None, lambda: {}, timeout=2.0, host='127.0.0.1')
+        try:
+            woken = []
+            timer = threading.Timer(0.5, lambda: woken.append(_torchft.wake_quorum_wait(replica.manager)))
+            started = time.monotonic()
+            timer.start()
+            with pytest.raises(TimeoutError):  # from Future.result(), woken with the future still running
+                replica.manager.start_quorum()
+            assert woken == [True] and time.monotonic() - started < 3.0, (
+                'Manager._quorum_future is no longer waited for in start_quorum: update _torchft.wake_quorum_wait')
+            assert _torchft.wake_quorum_wait(object()) is False  # nothing in flight: nothing to wake
+        finally:
+            replica.shutdown()
