@@ -244,7 +244,7 @@ def faults(opts):
 def _example(replica, opts, lighthouse, log, hosts=None):
     command = [sys.executable, os.path.join(ROOT, 'examples', 'distributed_data_parallel.py'), '--fault-tolerant',
                '--lighthouse', lighthouse, '--replica', str(replica), '--replicas', str(opts.replicas), '--epochs',
-               str(opts.epochs), '--threads', '1', '--save', os.path.join(OUT, 'chaos_model_{}.pt'.format(replica))]
+               str(opts.epochs), '--threads', '1', '--save', os.path.join(OUT, 'chaos_model.pt')]
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
     if hosts is not None:  # replica i on host i; gloo on that host's link (its hostname resolves elsewhere)
         env['GLOO_SOCKET_IFNAME'] = hosts.links[replica]
@@ -256,6 +256,21 @@ def _example(replica, opts, lighthouse, log, hosts=None):
 def _last_val_acc(text):
     found = re.findall(r'val_acc ([0-9.]+)', text)
     return float(found[-1]) if found else None
+
+
+def _last_line(path):
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    return lines[-1] if lines else ''
+
+
+def _signal(process, signum):
+    """``signum`` to ``process``'s session, unless it has ended."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _digest(path):
@@ -319,9 +334,8 @@ def chaos(opts):
     runs = {}
     for faulted in (False, True):
         rng = random.Random(opts.seed)
-        for r in range(opts.replicas):
-            if os.path.exists(os.path.join(OUT, 'chaos_model_{}.pt'.format(r))):
-                os.remove(os.path.join(OUT, 'chaos_model_{}.pt'.format(r)))
+        if os.path.exists(os.path.join(OUT, 'chaos_model.pt')):
+            os.remove(os.path.join(OUT, 'chaos_model.pt'))
         with (_Namespaces(opts.replicas) if opts.netns else _Loopback()) as net:
             names = {r: os.path.join(OUT, 'chaos_{}_r{}.log'.format('faulted' if faulted else 'clean', r))
                      for r in range(opts.replicas)}
@@ -329,21 +343,42 @@ def chaos(opts):
                 open(name, 'w').close()
             logs = {r: open(names[r], 'a') for r in range(opts.replicas)}  # appended to by every restart
             procs = {r: _example(r, opts, net.address, logs[r], net.hosts) for r in range(opts.replicas)}
-            survivor_pid, kills, end = procs[0].pid, 0, time.time() + 60 * opts.minutes
+            survivor_pid, end = procs[0].pid, time.time() + 60 * opts.minutes
 
             def early(path=logs[0].name):  # kills stop at half the epochs: the last replacement heals in time
                 with open(path) as f:
                     return len(re.findall(r"^epoch \d+/", f.read(), re.M)) < 0.5 * opts.epochs
 
+            counts, ended = {kind: 0 for kind in opts.faults}, []
+
+            def restart_if_ended(r, procs=procs, ended=ended, names=names, logs=logs, net=net):
+                # a replica that ended (killed, or stopped saying why) starts again
+                if procs[r].poll() is not None:
+                    ended.append({'replica': r, 'returncode': procs[r].returncode, 'last_line': _last_line(names[r])})
+                    procs[r] = _example(r, opts, net.address, logs[r], net.hosts)
+
             try:
                 while faulted and procs[0].poll() is None and time.time() < end and early():
                     time.sleep(rng.uniform(opts.every / 2, opts.every * 1.5))
-                    victim = rng.randrange(1, opts.replicas)  # replica 0 is watched to the end
-                    if procs[victim].poll() is None:
-                        os.killpg(procs[victim].pid, signal.SIGKILL)
-                        kills += 1
+                    kind, victim = rng.choice(opts.faults), rng.randrange(1, opts.replicas)  # 0 is watched to the end
+                    counts[kind] += 1
+                    if kind == 'pause':  # frozen past the heartbeat: it heals mid-run, or stops saying why
+                        _signal(procs[victim], signal.SIGSTOP)
+                        time.sleep(opts.pause)
+                        _signal(procs[victim], signal.SIGCONT)
+                    else:
+                        _signal(procs[victim], signal.SIGKILL)
                         time.sleep(rng.uniform(0.5, 3))
-                    procs[victim] = _example(victim, opts, net.address, logs[victim], net.hosts)
+                        restart_if_ended(victim)
+                        if kind == 'healer' and opts.replicas > 2:  # the replacement heals from 0 or the other
+                            other = rng.choice([r for r in range(1, opts.replicas) if r != victim])
+                            time.sleep(rng.uniform(0.5, 2.5))  # its start-up, then its heal, on this machine
+                            _signal(procs[other], signal.SIGKILL)
+                            time.sleep(rng.uniform(0.5, 3))
+                            restart_if_ended(other)
+                    time.sleep(opts.pause if kind == 'pause' else 0)
+                    for r in range(1, opts.replicas):
+                        restart_if_ended(r)
                 procs[0].wait(timeout=1800)
                 for p in procs.values():
                     p.wait(timeout=600)
@@ -355,12 +390,14 @@ def chaos(opts):
                         pass
             with open(names[0]) as f:
                 text = f.read()
-            digests = {r: _digest(os.path.join(OUT, 'chaos_model_{}.pt'.format(r))) for r in range(opts.replicas)
-                       if os.path.exists(os.path.join(OUT, 'chaos_model_{}.pt'.format(r)))}
+            saved = os.path.join(OUT, 'chaos_model.pt')  # by one replica; each compared its weights with the others'
             runs['faulted' if faulted else 'clean'] = {
-                'val_acc': _last_val_acc(text), 'kills': kills, 'returncodes': [p.returncode for p in procs.values()],
-                'replica0_never_restarted': procs[0].pid == survivor_pid, 'final_weights': digests,
-                'bit_identical': len(set(digests.values())) == 1 and len(digests) == opts.replicas}
+                'val_acc': _last_val_acc(text), 'faults': counts if faulted else {}, 'ended_early': ended,
+                'returncodes': [p.returncode for p in procs.values()],
+                'replica0_never_restarted': procs[0].pid == survivor_pid,
+                'final_weights': _digest(saved) if os.path.exists(saved) else None,
+                # at the end of run() the last quorum compares its weights' fingerprints: exit 0 is agreement
+                'bit_identical': all(p.returncode == 0 for p in procs.values())}
             print(runs, flush=True)
     runs['difference_points'] = round(100 * (runs['faulted']['val_acc'] - runs['clean']['val_acc']), 2)
     return runs
@@ -393,12 +430,19 @@ def main():
     add('--minutes', type=float, default=2.0)
     add('--seed', type=int, default=0)
     add('--netns', action='store_true', help='chaos: replica i on network-namespace host i (root)')
+    add('--faults', type=str, default='kill', help='chaos: the faults drawn, comma-separated: kill (kill -9, then '
+        'restart), pause (SIGSTOP for --pause s, then SIGCONT), healer (kill -9 and restart one, then kill its '
+        'likely healer during the heal, and restart it)')
+    add('--pause', type=float, default=8.0, help='chaos: seconds a paused replica stays stopped')
     add('--out', type=str, default=None, help='the result file (default: benchmarks/results/ft/WHAT.json, or '
         'cost_LINK_MODEL.json, which a new run overwrites: name another to keep the stored figures)')
     opts = parser.parse_args()
     if opts.what == 'worker':
         return _worker(opts)
     opts.replicas = opts.replicas or (2 if opts.what == 'cost' else 3)
+    opts.faults = [kind for kind in opts.faults.split(',') if kind]
+    if any(kind not in ('kill', 'pause', 'healer') for kind in opts.faults) or not opts.faults:
+        parser.error('--faults takes kill, pause and healer, comma-separated, not {!r}'.format(','.join(opts.faults)))
     opts.epochs = opts.epochs or {'cost': 1, 'faults': 1000, 'chaos': 5}[opts.what]  # faults: runs until killed
     os.makedirs(OUT, exist_ok=True)
     started, load_at_start = time.time(), os.getloadavg()
