@@ -244,7 +244,8 @@ def faults(opts):
 def _example(replica, opts, lighthouse, log, hosts=None):
     command = [sys.executable, os.path.join(ROOT, 'examples', 'distributed_data_parallel.py'), '--fault-tolerant',
                '--lighthouse', lighthouse, '--replica', str(replica), '--replicas', str(opts.replicas), '--epochs',
-               str(opts.epochs), '--threads', '1', '--save', os.path.join(OUT, 'chaos_model.pt')]
+               str(opts.epochs), '--threads', '1', '--save', os.path.join(OUT, 'chaos_model.pt')] + (
+                   ['--local-steps', str(opts.local_steps)] if opts.local_steps else [])
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
     if hosts is not None:  # replica i on host i; gloo on that host's link (its hostname resolves elsewhere)
         env['GLOO_SOCKET_IFNAME'] = hosts.links[replica]
@@ -289,12 +290,21 @@ class _Loopback:
 
     def __enter__(self):
         self.lighthouse = _lighthouse(self.min_replicas)
+        self.address = self.lighthouse.address
         return self
+
+    def restart_lighthouse(self, down):
+        """Stop the lighthouse, and start it again on the same address ``down`` seconds later."""
+        from torchbearer_dist.ft import Lighthouse
+        self.lighthouse.shutdown()
+        time.sleep(down)
+        from urllib.parse import urlparse
+        self.lighthouse = Lighthouse(bind='127.0.0.1:{}'.format(urlparse(self.address).port),
+                                     min_replicas=self.min_replicas, join_timeout=60.0, heartbeat_timeout=2.0)
 
     def __exit__(self, *exc):
         self.lighthouse.shutdown()
 
-    address = property(lambda self: self.lighthouse.address)
     hosts = None
 
 
@@ -314,14 +324,25 @@ class _Namespaces:
             self.hosts.__exit__(None, None, None)
             raise
         self.address = '{}:29510'.format(self.hosts.address(0))
-        with open(os.path.join(OUT, 'lighthouse.log'), 'w') as log:
+        self._serve('w')
+        return self
+
+    def _serve(self, mode):
+        with open(os.path.join(OUT, 'lighthouse.log'), mode) as log:
             self.server = subprocess.Popen(self.hosts.command(0, [
                 sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2',
                 '--min-replicas', str(self.min_replicas)]),
                 env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True, stdout=log,
                 stderr=subprocess.STDOUT)
         time.sleep(3)
-        return self
+
+    def restart_lighthouse(self, down):
+        """Kill the lighthouse process, and start it again on the same address ``down`` seconds later (plus its
+        start, about 3 s: keep the replicas' timeout above both)."""
+        os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
+        time.sleep(down)
+        self._serve('a')
 
     def __exit__(self, *exc):
         os.killpg(self.server.pid, signal.SIGKILL)
@@ -362,7 +383,9 @@ def chaos(opts):
                     time.sleep(rng.uniform(opts.every / 2, opts.every * 1.5))
                     kind, victim = rng.choice(opts.faults), rng.randrange(1, opts.replicas)  # 0 is watched to the end
                     counts[kind] += 1
-                    if kind == 'pause':  # frozen past the heartbeat: it heals mid-run, or stops saying why
+                    if kind == 'lighthouse':  # restarted on its address within the replicas' timeout: rejoined
+                        net.restart_lighthouse(rng.uniform(0.5, 2))
+                    elif kind == 'pause':  # frozen past the heartbeat: it heals mid-run, or stops saying why
                         _signal(procs[victim], signal.SIGSTOP)
                         time.sleep(opts.pause)
                         _signal(procs[victim], signal.SIGCONT)
@@ -432,7 +455,8 @@ def main():
     add('--netns', action='store_true', help='chaos: replica i on network-namespace host i (root)')
     add('--faults', type=str, default='kill', help='chaos: the faults drawn, comma-separated: kill (kill -9, then '
         'restart), pause (SIGSTOP for --pause s, then SIGCONT), healer (kill -9 and restart one, then kill its '
-        'likely healer during the heal, and restart it)')
+        'likely healer during the heal, and restart it), lighthouse (restart it on its address)')
+    add('--local-steps', type=int, default=None, help="chaos: the example's DiLoCo meetings every H steps")
     add('--pause', type=float, default=8.0, help='chaos: seconds a paused replica stays stopped')
     add('--out', type=str, default=None, help='the result file (default: benchmarks/results/ft/WHAT.json, or '
         'cost_LINK_MODEL.json, which a new run overwrites: name another to keep the stored figures)')
@@ -441,8 +465,9 @@ def main():
         return _worker(opts)
     opts.replicas = opts.replicas or (2 if opts.what == 'cost' else 3)
     opts.faults = [kind for kind in opts.faults.split(',') if kind]
-    if any(kind not in ('kill', 'pause', 'healer') for kind in opts.faults) or not opts.faults:
-        parser.error('--faults takes kill, pause and healer, comma-separated, not {!r}'.format(','.join(opts.faults)))
+    if any(kind not in ('kill', 'pause', 'healer', 'lighthouse') for kind in opts.faults) or not opts.faults:
+        parser.error('--faults takes kill, pause, healer and lighthouse, comma-separated, not {!r}'.format(
+            ','.join(opts.faults)))
     opts.epochs = opts.epochs or {'cost': 1, 'faults': 1000, 'chaos': 5}[opts.what]  # faults: runs until killed
     os.makedirs(OUT, exist_ok=True)
     started, load_at_start = time.time(), os.getloadavg()

