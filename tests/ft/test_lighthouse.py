@@ -107,6 +107,7 @@ def test_the_probe_tells_a_lighthouse_from_what_else_listens_at_its_address(http
     assert _watch.probe('http://127.0.0.1:{}'.format(free_port()), 5.0)[0] == 'unreachable'
 
 
+@pytest.mark.timeout(180)
 def test_something_else_at_the_address_is_named_before_the_first_quorum(http_server, silent_listener):
     started = time.monotonic()
     with pytest.raises(RuntimeError) as error:

@@ -23,36 +23,30 @@ from _dist import STARTUP, child_env
 
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
-from _replicas import Replicas  # noqa: E402
 
-from torchbearer_dist.ft import Lighthouse, _quiet  # noqa: E402 (after the skip)
+from torchbearer_dist.ft import _quiet  # noqa: E402 (after the skip)
 from torchbearer_dist.ft.replica import _transport  # noqa: E402
 
 ACCESS_LINE = '"GET /checkpoint/'
 BUFFER_WARNING = 'UserWarning: The given buffer is not writable'
 
 
-def _heal(tmp_path, verbose):
-    """Replica 0 trains; replica 1 starts, heals from it and trains beside it to the end. Returns the replicas,
-    ended, and their indices."""
-    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        replicas = Replicas(tmp_path, server.address)
-        try:
-            gate = str(tmp_path / 'gate')  # replica 0 holds at its 10th step until replica 1 is up
-            args = ('--replicas', '2', '--epochs', '2', '--samples', '1200', '--sleep', '0.05', '--timeout', '5')
-            with _environment(**({_quiet.VERBOSE: '1'} if verbose else {})):  # child_env copies this process's
-                healer = replicas.start(0, *args, '--gate', gate, '--gate-step', '10')
-                replicas.wait_for(lambda: replicas.steps(healer) >= 5, STARTUP + 60)
-                healed = replicas.start(1, *args)
-            replicas.wait_for(lambda: 'READY' in replicas.out(healed), STARTUP + 60)
-            open(gate, 'w').close()
-            replicas.wait_for(lambda: replicas.done(healer) and replicas.done(healed), STARTUP + 120)
-            assert [replicas.process(i).wait(30) for i in (healer, healed)] == [0, 0], replicas.describe()
-            assert int(replicas.done(healed)[1]) == 1, replicas.describe()  # it healed
-            assert replicas.done(healer)[0] == replicas.done(healed)[0], replicas.describe()
-        finally:
-            replicas.kill_all()
-    return replicas, healer, healed
+def _heal(replicas, verbose):
+    """Replica 0 trains; replica 1 starts, heals from it and trains beside it to the end (the conftest's lighthouse
+    and replicas). Returns the indices of the two, ended."""
+    gate = str(replicas.tmp_path / 'gate')  # replica 0 holds at its 10th step until replica 1 is up
+    args = ('--replicas', '2', '--epochs', '2', '--samples', '1200', '--sleep', '0.05', '--timeout', '5')
+    with _environment(**({_quiet.VERBOSE: '1'} if verbose else {})):  # child_env copies this process's
+        healer = replicas.start(0, *args, '--gate', gate, '--gate-step', '10')
+        replicas.wait_for(lambda: replicas.steps(healer) >= 5, STARTUP + 60)
+        healed = replicas.start(1, *args)
+    replicas.wait_for(lambda: 'READY' in replicas.out(healed), STARTUP + 60)
+    open(gate, 'w').close()
+    replicas.wait_for(lambda: replicas.done(healer) and replicas.done(healed), STARTUP + 120)
+    assert [replicas.process(i).wait(30) for i in (healer, healed)] == [0, 0], replicas.describe()
+    assert int(replicas.done(healed)[1]) == 1, replicas.describe()  # it healed
+    assert replicas.done(healer)[0] == replicas.done(healed)[0], replicas.describe()
+    return healer, healed
 
 
 @contextlib.contextmanager
@@ -70,8 +64,8 @@ def _environment(**values):
 
 
 @pytest.mark.timeout(300)
-def test_a_heal_writes_no_access_line_traceback_or_warning(tmp_path):
-    replicas, healer, healed = _heal(tmp_path, verbose=False)
+def test_a_heal_writes_no_access_line_traceback_or_warning(replicas):
+    healer, healed = _heal(replicas, verbose=False)
     for i in (healer, healed):
         # Not counted: torch's C++ log ('[W... Backend.hpp] Warning: setSequenceNumberForGroup() is deprecated',
         # once a process, TORCH_CPP_LOG_LEVEL=ERROR hides it), which is not torchft's Python output.
@@ -80,12 +74,13 @@ def test_a_heal_writes_no_access_line_traceback_or_warning(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_switch_shows_torchfts_output_as_torchft_writes_it(tmp_path):
-    replicas, healer, healed = _heal(tmp_path, verbose=True)
+def test_the_switch_shows_torchfts_output_as_torchft_writes_it(replicas):
+    healer, healed = _heal(replicas, verbose=True)
     assert ACCESS_LINE in replicas.err(healer), replicas.describe()  # the heal server's access line
     assert BUFFER_WARNING in replicas.err(healed), replicas.describe()  # torch's warning on the healed state
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize('verbose', [False, True])
 def test_torchfts_tracebacks_go_to_the_logger_not_stderr(verbose):
     # What torchft's Manager writes for a lost peer (logger.exception of its module's logger), in a process of its
@@ -163,6 +158,7 @@ def test_quiet_nests_and_puts_back_what_it_found(monkeypatch):
     assert (torchft.level, torchft.propagate, list(torchft.handlers), list(warnings.filters)) == found
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize('verbose', [False, True])
 def test_torchfts_rust_log_is_quiet_unless_asked(verbose):
     # A lighthouse logs its start at INFO: shown only where RUST_LOG or the switch asks for it.

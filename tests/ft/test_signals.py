@@ -290,6 +290,7 @@ def _program(mode, signum=None):
         process.wait()
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize('mode, signum', [
     ('default', signal.SIGINT),     # unwinds: the program's finally runs, then status 130 and no traceback
     ('chained', signal.SIGTERM),    # the program's own SIGTERM handler runs first
@@ -310,6 +311,7 @@ def test_a_signal_ends_the_process_in_one_line_however_the_main_thread_takes_it(
         assert seconds >= _signals.GRACE - 0.1, seconds
 
 
+@pytest.mark.timeout(180)
 def test_closing_puts_back_the_handlers_and_the_wakeup_fd():
     code, out, err, _ = _program('close')
     assert (code, out, err) == (0, 'restored\n', ''), (code, out, err)

@@ -247,8 +247,8 @@ class FaultTolerantAllReduce(Callback):
     def _dropped(self, what):
         """One line: this step (or meeting) was not committed on any replica, and why (torchft's first line)."""
         state, error = self._state(), self.replica.manager.errored()
-        why = str(error.original_exception if hasattr(error, 'original_exception') else error).strip() \
-            if error is not None else 'another replica failed it, or too few replicas were live'
+        why = 'another replica failed it, or too few replicas were live' if error is None else \
+            str(getattr(error, 'original_exception', error)).strip()
         _events.say('replica {} dropped the {} at epoch {}, batch {} on every replica: {}'.format(
             self.replica.replica_id, what, state[torchbearer.EPOCH], state[torchbearer.BATCH],
             (why.splitlines() or ['?'])[0][:200]))
@@ -366,7 +366,8 @@ class FaultTolerantAllReduce(Callback):
         count, rank = manager.num_participants(), manager.participating_rank()
         if count <= 1 or rank is None or manager.errored() is not None:
             return
-        mine = torch.stack([fingerprint(p) for _, p in trainable(state)]) if trainable(state) else torch.zeros(1, 2)
+        params = [p for _, p in trainable(state)]
+        mine = torch.stack([fingerprint(p) for p in params]) if params else torch.zeros(1, 2)
         rows = torch.zeros(count, 2, dtype=torch.int64)
         rows[rank] = fingerprint(mine)
         manager.allreduce(rows, reduce_op=torch.distributed.ReduceOp.SUM).wait()
