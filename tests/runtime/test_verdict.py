@@ -13,8 +13,16 @@ gone with it, blocking every call until the client's timeout when rank 0's host 
 one rank that then gives up and exits); each store call's latency; each thread's lateness under load
 (beats late by up to the limit less a beat, watch threads late by one or two beats); a process stopped
 (``kill -STOP``) runs none of its events until it continues; a process gone is a zombie until reaped,
-then gone, its pid maybe reused. A rank that judges a failure publishes it where the store answers and
-ends (rank 0 after waiting for its readers, at most 3 s, as ``_diagnosis.wait_until_read``).
+then gone, its pid maybe reused.
+
+A verdict goes where it goes in a process: to the rank's live group, a real
+:class:`~torchbearer_dist.runtime._live.LiveGroup` (``_on_watchdog``, then ``failed`` on its main thread, with
+``_gather``), which asks the real :func:`~torchbearer_dist.runtime._decision.decide` and publishes, reads the
+cause, wakes its main thread and waits for its readers through the simulated store, ``/proc`` and master's port.
+Its wake fails the main thread's collective at once, or after the step it computes (``Rank.busy``); a main thread
+may also catch gloo's closed connection at a chosen moment (``Rank.fails``). What the main thread raises is the
+rank's answer. The main thread's stop runs at once: the world waits while it polls, which holds where it polls
+for what is already there (a cause published, a peer gone); rank 0's wait for its readers then lasts its 3 s.
 
 The bounds asserted are the ones docs/troubleshooting.rst states, in beats (a second, or a quarter of a
 rendezvous timeout under 4 s), plus what the schedule's own load added (its slowest round, its latest
@@ -22,11 +30,13 @@ wake-up): a silent peer is named no sooner than the limit after its last beat, a
 at most later; rank 0's store that stops answering, a limit after its last answer and a quarter beat at
 most later; a local peer that dies, a beat and a half at most after; a rank stopped past the limit names
 its own pause when it runs again; a job stopped whole goes on; nothing healthy is ever named. A cause
-published is read a beat and a quarter at most after. ``python tests/scripts/verdict_mutants.py`` checks
-that a change of any of these bounds, or of the three rules that once passed every test here (issue 34),
-fails a test here.
+published is read a beat and a quarter at most after. ``python tests/scripts/verdict_mutants.py`` (run by CI)
+checks that a change of any of these bounds, of the three rules that once passed every test here (issue 34),
+or of the two that passed every fast runtime test (issue 44: the heartbeat's cause never published, a closed
+connection taken for a silence at a third of the limit), fails a test here or in test_decision.py.
 """
 import ast
+import atexit
 import heapq
 import inspect
 import os
@@ -42,7 +52,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchbearer_dist.runtime import _decision, _diagnosis, _peers, _verdict, _watchdog
+from torchbearer_dist.runtime import _decision, _diagnosis, _live, _peers, _timing, _verdict, _watchdog
 from torchbearer_dist.runtime._verdict import (
     DIED,
     FROZEN,
@@ -91,21 +101,66 @@ def _client_timeout(limit):
 
 # -------------------------------------------------------------------- the package's code, on a simulated clock
 class _Clock:
-    """``time`` for the compiled code: ``monotonic()`` is the simulation's now."""
+    """``time`` for the compiled code: ``monotonic()`` is the simulation's now; ``sleep`` (the live group's main
+    thread, run at once, see :meth:`Job.fail`) moves it on."""
     now = 0.0
 
     def monotonic(self):
         return self.now
 
+    def sleep(self, seconds):
+        self.now += seconds
+
 
 CLOCK = _Clock()
-#: The job being simulated (one at a time): the simulated /proc and the verdicts' record read it.
-CURRENT = types.SimpleNamespace(job=None)
+
+
+def _rebind(function, **names):
+    """``function`` reading ``names`` instead of its module's globals of those names."""
+    return types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
+#: The job being simulated (one at a time) and the :class:`Rank` whose code runs: the simulated /proc, the
+#: master's port and the verdicts' record read them.
+CURRENT = types.SimpleNamespace(job=None, rank=None)
+
+
+def _proc_read(path):
+    """``_peers._read`` of the simulated ``/proc``: a rank's ``stat`` line while its process lives."""
+    match = re.fullmatch(r'/proc/(\d+)/stat', path)
+    return CURRENT.job.stat(int(match.group(1))) if match else ''
+
+
+_DEAD_LOCAL_RANKS = _rebind(_peers.dead_local_ranks, stat=_rebind(_peers.stat, _read=_proc_read))
+
+
+class _Peers:
+    """``_peers`` for the live group's code: the simulated ``/proc`` (by default the running rank's local peers,
+    as the real one reads the live group's) and the master's port as the world stands."""
+
+    def __getattr__(self, name):
+        return getattr(_peers, name)
+
+    @staticmethod
+    def dead_local_ranks(peers=None):
+        return _DEAD_LOCAL_RANKS(CURRENT.rank.live.peers if peers is None else peers)
+
+    @staticmethod
+    def probe(host, port):
+        return CURRENT.job.probe()
+
+
+_PEERS = _Peers()
+_POLL = _rebind(_timing.poll, time=CLOCK)
 
 
 class _Recorded:
     """``_diagnosis`` for the compiled code: the real module, except that each verdict turned into a cause
-    is also recorded for the simulator (the cause alone does not say which rule fired)."""
+    is also recorded for the simulator (the cause alone does not say which rule fired), and its polls of the
+    store wait on the simulated clock and read the simulated ``/proc``."""
+    read_cause = staticmethod(_rebind(_diagnosis.read_cause, _peers=_PEERS, poll=_POLL))
+    wait_until_read = staticmethod(_rebind(_diagnosis.wait_until_read, _peers=_PEERS, poll=_POLL))
 
     def __getattr__(self, name):
         return getattr(_diagnosis, name)
@@ -130,6 +185,34 @@ class _Client:
         return 'multi_get', tuple(keys)
 
 
+class _Direct:
+    """A store connection of the live group (publish, read a cause, wait for its readers): each call is answered
+    at once as the world stands at the simulated now, or fails where the store does not answer this rank."""
+
+    def __init__(self, job, r):
+        self.job, self.r = job, r
+
+    def _answer(self, request):
+        if not self.job.answers(self.r, CLOCK.now):
+            raise _Refused()
+        return self.job._serve(self.r, CLOCK.now, request)
+
+    def set_timeout(self, timeout):
+        pass
+
+    def compare_set(self, key, expected, value):
+        return self._answer(('compare_set', key, expected, value))
+
+    def check(self, keys):
+        return self._answer(('check', tuple(keys)))
+
+    def get(self, key):
+        return self._answer(('get', key))
+
+    def set(self, key, value):
+        return self._answer(('set', key, value))
+
+
 class _Stop:
     """The watchdog's stop event: a wait is handed to the simulator; nothing stops it but the process's end."""
 
@@ -139,15 +222,12 @@ class _Stop:
     def is_set(self):
         return False
 
+    def set(self):  # the live group stops its heartbeat as its rank ends: the simulator ends the rank
+        pass
+
 
 class _Refused(Exception):
     """A store call that failed: refused, reset, or timed out."""
-
-
-def _rebind(function, **names):
-    """``function`` reading ``names`` instead of its module's globals of those names."""
-    return types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
-                              function.__defaults__, function.__closure__)
 
 
 def _coroutine(method, names, points):
@@ -175,18 +255,28 @@ def _coroutine(method, names, points):
     return namespace[method.__name__]
 
 
-def _proc_read(path):
-    """``_peers._read`` of the simulated ``/proc``: a rank's ``stat`` line while its process lives."""
-    match = re.fullmatch(r'/proc/(\d+)/stat', path)
-    return CURRENT.job.stat(int(match.group(1))) if match else ''
-
-
-_NAMES = {'time': CLOCK, '_diagnosis': _Recorded()}
+_NAMES = {'time': CLOCK, '_diagnosis': _Recorded(), '_peers': _PEERS}
 _INIT = _rebind(_watchdog.Watchdog.__init__, **_NAMES)
 _BEAT = _coroutine(_watchdog.Watchdog._beat, _NAMES, ['self._stop.wait', 'store.add', 'store.check',
                                                        'store.multi_get'])
 _WATCH = _coroutine(_watchdog.Watchdog._watch, _NAMES, ['self._stop.wait'])
-_DEAD_LOCAL_RANKS = _rebind(_peers.dead_local_ranks, stat=_rebind(_peers.stat, _read=_proc_read))
+_SILENCES = _rebind(_watchdog.Watchdog.silences, **_NAMES)
+_FROZEN_CAUSE = _rebind(_watchdog.Watchdog.frozen_cause, **_NAMES)
+
+
+class _Live(_live.LiveGroup):
+    """A rank's live group: the package's own, whose heartbeat's ``on_failure`` (:meth:`_on_watchdog`) and main
+    thread's stop (:meth:`failed`) ask the real :func:`~torchbearer_dist.runtime._decision.decide` and act on it,
+    reading the simulated clock, store, ``/proc`` and master's port. It has no gloo connections and no torch
+    group: stopping its peers does nothing, and waking its main thread is the simulator's (:meth:`Job.fail`)."""
+    _on_watchdog = _rebind(_live.LiveGroup._on_watchdog, **_NAMES)
+    failed = _rebind(_live.LiveGroup.failed, **_NAMES)
+    _gather = _rebind(_live.LiveGroup._gather, **_NAMES)
+
+    def interrupt_collectives(self):
+        """The world's part of the wake: the running rank's collective fails now, or its next one, after the
+        step its main thread is computing (``Rank.busy``)."""
+        CURRENT.job.fail(CURRENT.rank, CLOCK.now + CURRENT.rank.busy)
 
 
 # -------------------------------------------------------------------- the world: store, processes, load
@@ -206,9 +296,13 @@ class Rank:
     edge: float = 0.0  # when not 0: half its beats as late as this spacing allows (beats and rounds)
     beats: list = field(default_factory=list)  # when the store counted its beats
     pending: list = field(default_factory=list)  # latencies drawn ahead for its next round
+    fails: float = INF  # when its main thread's collective fails (gloo's connection to a peer closed)
+    busy: float = 0.0  # its main thread computes this long between collectives: a wake fails its next one
     watchdog: object = None
+    live: object = None  # its live group (_Live)
     threads: dict = field(default_factory=dict)
     verdict: tuple = None  # (time, Verdict)
+    raised: tuple = None  # (time, what its main thread raises: a PeerFailedError, or None for the error itself)
 
     def resumes(self, t):
         """When this process runs an event due at ``t``: after any stop that holds ``t``."""
@@ -230,7 +324,8 @@ class Job:
         self.rnd, self.limit, self.beat, self.horizon = rnd, limit, _beat(limit), horizon
         self.latency, self.ranks, self.store_down = latency, ranks, store_down
         self.client_timeout = _client_timeout(limit)
-        self.error, self.published = INF, None  # when the first cause was published, and (kind, rank)
+        self.error, self.published = INF, None  # when the first cause was published, and that Cause
+        self.keys = {}  # the store's other keys the live groups set: error_seen/<rank>
         self.spurious_after_stop = spurious_after_stop
         self.counters = {'hb/{}'.format(r.rank): 1 for r in ranks}  # added at the handshake
         self.verdicts, self.events, self.order = {}, [], 0
@@ -244,11 +339,18 @@ class Job:
             _INIT(watchdog, env, _Client(), lambda cause, answers, r=r: self._end(r, cause, answers),
                   dead_ranks=lambda peers=peers: _DEAD_LOCAL_RANKS(peers))
             watchdog._stop = _Stop()
+            watchdog.silences = types.MethodType(_SILENCES, watchdog)
+            watchdog.frozen_cause = types.MethodType(_FROZEN_CAUSE, watchdog)
+            r.live = _Live(env, _Direct(self, r), None)
+            atexit.unregister(r.live._at_exit)
+            r.live.watchdog, r.live.peers = watchdog, peers
             r.threads = {'beat': _BEAT(watchdog), 'watch': _WATCH(watchdog)}
             for thread in r.threads:
                 self._at(0.0, r, thread, 'resume', None)
             if r.left < INF:
                 self._at(r.left, r, None, 'leave', None)
+            if r.fails < INF:
+                self.fail(r, r.fails)
 
     # ---------------------------------------------------------------- the world's answers
     def stat(self, pid):
@@ -262,6 +364,17 @@ class Job:
         else:
             return ''
         return '{} (python3) {} {}'.format(pid, state, ' '.join(['0'] * 18 + [start_time, '0', '0']))
+
+    def answers(self, r, t):
+        """Whether the store answers a call of ``r``'s live group at ``t`` at once (rank 0's process lives and
+        runs, its host is up, ``r`` is not cut off from it)."""
+        zero = self.ranks[0]
+        return t < zero.exit and t < self.store_down and t < r.cut and zero.resumes(t) == t
+
+    def probe(self):
+        """Whether rank 0's port accepts a connection now (a stopped process's kernel still accepts)."""
+        zero, now = self.ranks[0], CLOCK.now
+        return 'silent' if now >= self.store_down else 'refused' if now >= zero.exit else 'ok'
 
     def _late(self, most, chance=0.5):
         """A thread's extra delay: a little always, up to ``most`` at times under load."""
@@ -300,8 +413,18 @@ class Job:
             if keys == 'hb/{}'.format(r.rank):
                 r.beats.append(t)
             return self.counters[keys]
+        held = {**self.keys, **({'error': self.published.to_json().encode()} if t >= self.error else {})}
         if kind == 'check':
-            return t >= self.error
+            return all(key in held for key in keys)
+        if kind == 'compare_set':  # the cause published: the first one stays
+            if 'error' not in held:
+                self.error, self.published = t, _diagnosis.Cause.from_json(request[3])
+            return request[3]
+        if kind == 'get':
+            return held[keys]
+        if kind == 'set':
+            self.keys[keys] = request[2].encode()
+            return None
         return [str(self.counters[key]).encode() for key in keys]
 
     def _wait(self, r, thread, t, seconds):
@@ -345,12 +468,23 @@ class Job:
             self._at(when, r, thread, 'serve', request)
 
     def _end(self, r, cause, store_answers):
-        """``on_failure``: publish the cause where the store answers, and end this rank."""
+        """``on_failure``: the live group's own, which publishes the cause where the store answers (or reads
+        another rank's) and wakes the main thread."""
         t, verdict = CLOCK.now, self.verdicts[r.rank]
         r.verdict = (t, verdict)
-        if cause is not None and store_answers and self.published is None and self._store(r, t)[0] == 'ok':
-            self.error, self.published = t, (verdict.kind, verdict.rank)
-        r.exit = min(r.exit, t + (READERS_WAIT if r.rank == 0 else EXIT_AFTER))
+        r.live._on_watchdog(_Direct(self, r), cause, store_answers)
+
+    def fail(self, r, t):
+        """At ``t``, ``r``'s main thread catches a collective error (gloo's connection closed, or its heartbeat
+        woke it): see :meth:`_fail`."""
+        self._at(t, r, None, 'fail', None)
+
+    def _fail(self, r, t):
+        """The live group's stop runs at once, from the error to what the main thread raises (the world waits
+        while it polls); then this rank ends, rank 0 once its readers read or it gave up on them."""
+        CLOCK.now = t
+        r.raised = (t, r.live.failed(dist.DistNetworkError('Connection closed by peer'), _decision.RUN))
+        r.gil, r.exit = min(r.gil, t), min(r.exit, CLOCK.now + EXIT_AFTER)
         r.reaped = min(r.reaped, r.exit + self.rnd.uniform(0, 0.5))
 
     def run(self):
@@ -359,7 +493,7 @@ class Job:
         try:
             while self.events:
                 t, _, rank, thread, action, value = heapq.heappop(self.events)
-                r = self.ranks[rank]
+                r = CURRENT.rank = self.ranks[rank]
                 if t > self.horizon:
                     break
                 if action == 'serve':  # the store answers whatever its caller does meanwhile
@@ -369,6 +503,9 @@ class Job:
                         self.counters['hb/{}'.format(r.rank)] += LEFT
                     r.gil, r.exit = min(r.gil, t), min(r.exit, t + self.rnd.uniform(0.001, EXIT_AFTER))
                     r.reaped = min(r.reaped, r.exit + self.rnd.uniform(0, 0.5))
+                elif action == 'fail':
+                    if t < r.exit:
+                        self._fail(r, r.resumes(t))
                 elif r.runs(t):
                     self._step(r, thread, t, action, value)
         finally:
@@ -376,9 +513,11 @@ class Job:
         return self
 
     def named(self, r):
-        """The rank that ``r``'s verdict names: the rank at fault, or the published cause's."""
-        t, verdict = r.verdict
-        return self.published[1] if verdict.kind == PUBLISHED else verdict.rank
+        """The rank that ``r``'s main thread names: the rank of the PeerFailedError it raises, its own when it
+        raises what it caught (its own cause, read back), None while it has not stopped."""
+        if r.raised is None:
+            return None
+        return r.rank if r.raised[1] is None else r.raised[1].rank
 
     def period(self, r):
         """The most seconds from one of ``r``'s store rounds to the next in this schedule: a beat, its load
@@ -502,7 +641,7 @@ def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):
     horizon = at + pause + 3 * limit + READERS_WAIT + 3
     j = Job(rnd, world_size, limit, ranks, horizon=horizon, store_down=store_down, latency=0.02)
     if fault == 'raised':  # its own error: published, then the rank exits (rank 0 after its readers)
-        j.error, j.published = at, ('local', culprit)
+        j.error, j.published = at, _diagnosis.own_cause(culprit, ValueError('bad batch'))
         bad.gil, bad.exit = at, at + (READERS_WAIT if culprit == 0 else EXIT_AFTER)
         _gone(rnd, bad, limit)
     j.run()
@@ -521,8 +660,8 @@ def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):
         if verdict.kind == SILENT:  # silent for the limit at least, named two beats and a quarter at most later
             assert fault in ('stopped', 'gil', 'paused alone', 'gave up'), (job, r.rank, verdict)
             # a beat to read its last beat, one to read it again unchanged, a quarter for the watch to wake;
-            # and what the load added to each
-            bound = last_beat + limit + 2 * j.period(r) + calls + j.wake(r)
+            # and what the load added to each (a watch woken late may first see that last beat a round later)
+            bound = last_beat + limit + 2 * j.period(r) + calls + j.wake(r) + r.watch_late
             assert last_beat + limit < t <= bound, (job, r.rank, verdict, last_beat, t - last_beat - limit)
         elif verdict.kind == MASTER_SILENT:  # a limit after the store's last answer, a quarter beat at most later
             assert culprit == 0 and fault != 'gave up', (job, r.rank, verdict)
@@ -611,6 +750,61 @@ def test_rank_0_gone_silent_is_named_a_limit_after_and_not_later(limit):
         t, verdict = one.verdict
         assert (verdict.kind, verdict.rank) == (SILENT, 0)
         assert 0 < _excess(t, zero.beats[-1], limit) <= 2.25 + 0.2, (seed, t)
+
+
+# -------------------------------------------------------------------- the live group's stop, chosen schedules
+def _stopped_by(j, rank):
+    """What rank ``rank``'s main thread raised: ``(rank named, its line)``."""
+    assert j.ranks[rank].raised is not None, ('rank {} did not stop'.format(rank), j.verdicts)
+    error = j.ranks[rank].raised[1]
+    return error.rank, str(error)
+
+
+@pytest.mark.parametrize('limit', [4.0, 60.0])
+def test_a_silence_the_heartbeat_found_is_published_and_the_rank_that_cannot_see_it_raises_it(limit):
+    # Rank 2 stops (kill -STOP): only rank 0 reads its beat. Rank 0's heartbeat publishes what it found at once,
+    # though its main thread computes a long step before its next collective fails, and rank 1, which watches
+    # rank 0 alone, reads it a beat and a quarter at most later and raises it.
+    for seed in range(3):
+        j = _job(limit, world_size=3, seed=seed, r0={'busy': limit / 2}, r2={'stopped': [(3.0, INF)]},
+                 horizon=3.0 + 2 * limit + 10)
+        zero, one, _ = j.ranks
+        assert (j.published.rank, j.published.kind) == (2, _diagnosis.NETWORK) and j.error == zero.verdict[0]
+        assert zero.raised[0] == zero.verdict[0] + limit / 2
+        assert [_stopped_by(j, r) for r in (0, 1)] == [(2, j.published.line() + ' (rank {} stopped)'.format(r))
+                                                       for r in (0, 1)]
+        assert one.verdict[1].kind == PUBLISHED and one.raised[0] - j.error <= 1.25 * _beat(limit) + 0.2, seed
+
+
+@pytest.mark.parametrize('limit, stopped, named', [
+    (10.0, 0.0, 'died'), (10.0, 3.0, 'died'), (10.0, 7.0, 'silent'),
+    (60.0, 0.0, 'died'), (60.0, 25.0, 'died'), (60.0, 35.0, 'silent'), (60.0, 50.0, 'silent')])
+def test_a_peer_killed_is_named_dead_unless_its_beat_stopped_half_the_limit_before(limit, stopped, named):
+    # gloo closes a killed peer's connection at once, and rank 0's main thread, which catches that, finds it gone
+    # in /proc. A peer whose beat rank 0 last saw change more than half the limit before (here it was stopped
+    # that long, then killed) fell silent rather than left (_decision.timed_out): rank 0 says so, and does not
+    # wait for a death. ``stopped`` seconds put the last beat a beat at most either side of that.
+    at = limit + 1.0
+    j = _job(limit, r0={'fails': at}, r1={'stopped': [(at - stopped, INF)] if stopped else [], 'exit': at,
+                                         'reaped': at + 0.5}, horizon=at + 10)
+    assert j.ranks[0].verdict is None and j.ranks[0].raised[0] == at  # its heartbeat had not judged yet
+    rank, line = _stopped_by(j, 0)
+    expected = _diagnosis.died([1]) if named == 'died' else _diagnosis.silent(j.ranks[0].live.env, 1, 1800.0)
+    assert (rank, line) == (1, expected.line() + ' (rank 0 stopped)')
+    assert j.published == expected
+
+
+@pytest.mark.parametrize('limit', [4.0, 60.0])
+def test_a_kill_caught_by_two_ranks_at_once_is_named_once_by_both(limit):
+    # Rank 2 is killed while the others are in a collective: both catch the closed connection at once, both find
+    # it gone and publish that (the first stays); rank 0 waits for its readers.
+    for seed in range(3):
+        at = limit + 0.37 * seed
+        j = _job(limit, world_size=3, seed=seed, r0={'fails': at}, r1={'fails': at},
+                 r2={'exit': at, 'reaped': at + 0.5}, horizon=at + 10)
+        line = _diagnosis.died([2]).line()
+        assert [_stopped_by(j, r) for r in (0, 1)] == [(2, line + ' (rank 0 stopped)'), (2, line + ' (rank 1 stopped)')]
+        assert j.published == _diagnosis.died([2]) and j.error == at
 
 
 # -------------------------------------------------------------------- single rules, by hand

@@ -1,12 +1,16 @@
-"""Each mutant of the heartbeat's verdict and sampling must fail tests/runtime/test_verdict.py.
+"""Each mutant of the heartbeat's verdict and sampling, of :func:`decide` and of the live group that acts on it
+must fail tests/runtime/test_verdict.py or tests/runtime/test_decision.py.
 
 Run from the repository root: ``python tests/scripts/verdict_mutants.py [NAME ...]``. Each mutant is
 made in a copy of the package and the tests in a temporary folder (the working tree is never changed),
-the verdict tests run there, and a table says which tests failed; the exit status is 1 when a mutant
-passes every test, or when the unchanged copy fails one. About two minutes on one core.
+the tests run there, and a table says which tests failed; the exit status is 1 when a mutant passes every
+test, no longer applies, or when the unchanged copy fails one (CI runs it: .ci/run). About four minutes on
+one core.
 
-The mutants are the three that passed every verdict test before (issue 34), and a change of each bound
-that docs/troubleshooting.rst states for the heartbeat.
+The mutants are the three that passed every verdict test before (issue 34), a change of each bound that
+docs/troubleshooting.rst states for the heartbeat, the two that passed every fast runtime test before
+(issue 44: the heartbeat's cause never published, ``timed_out`` at a third of the limit), and rules of
+:func:`decide` and of its applier.
 """
 import os
 import re
@@ -14,9 +18,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 VERDICT, WATCHDOG = 'torchbearer_dist/runtime/_verdict.py', 'torchbearer_dist/runtime/_watchdog.py'
 TIMING = 'torchbearer_dist/runtime/_timing.py'
+DECISION, LIVE = 'torchbearer_dist/runtime/_decision.py', 'torchbearer_dist/runtime/_live.py'
+TESTS = ['tests/runtime/test_decision.py', 'tests/runtime/test_verdict.py']
+#: The simulation's two properties (13 s of the 15): run once every other test passed.
+PROPERTIES = 'test_no_healthy_schedule_is_ever_judged_failed or test_every_failure_is_named_within_its_bound'
 
 #: name: (file, text, replacement), the text found exactly once; or a list of them, the first that applies
 MUTANTS = {
@@ -58,6 +67,23 @@ MUTANTS = {
                             'while not self._stop.wait(self.interval):'),
     'the round begins after its read': (WATCHDOG, '_verdict.Sample(began, time.monotonic(),',
                                         '_verdict.Sample(time.monotonic(), time.monotonic(),'),
+    # the two of issue 44: the live group never publishes what its heartbeat found; a killed peer whose beat
+    # rank 0 last saw change a third of the limit before is taken for silent
+    'heartbeat cause not published': (LIVE, 'if decision.publish:  # rank 0 too then learns',
+                                      'if False:  # rank 0 too then learns'),
+    'timed_out at limit/3': (DECISION, 'silence > limit / 2', 'silence > limit / 3'),
+    'timed_out at 2/3 of the limit': (DECISION, 'silence > limit / 2', 'silence > 2 * limit / 3'),
+    # decide() and its applier: who publishes, who is woken, who waits for readers
+    'decide: heartbeat never publishes': (DECISION, 'publish=f.heartbeat is not None and f.store_answers,',
+                                          'publish=False,'),
+    'decide: heartbeat wakes nobody': (DECISION, 'f.heartbeat is not None and f.store_answers, wake=True)',
+                                       'f.heartbeat is not None and f.store_answers, wake=False)'),
+    'decide: only rank 0 publishes in the block': (DECISION, 'published = rank == 0 or cause.rank > 0 or',
+                                                   'published = rank == 0 or'),
+    'decide: rank 0 waits for no reader': (DECISION, 'readers=rank == 0, skip=cause.rank, stop_peers=True)',
+                                           'readers=False, skip=cause.rank, stop_peers=True)'),
+    'main thread publishes nothing': (LIVE, 'if decision.publish:\n            _diagnosis.publish(store,',
+                                      'if False:\n            _diagnosis.publish(store,'),
 }
 
 
@@ -73,14 +99,23 @@ def _read(folder, path):
         return f.read()
 
 
-def _failing(folder):
-    """The names of the verdict tests that fail in ``folder``'s copy (its package imported first)."""
-    out = subprocess.run([sys.executable, '-m', 'pytest', 'tests/runtime/test_verdict.py', '-q', '-n', '0',
-                          '-p', 'no:cacheprovider', '-rf'], cwd=folder, capture_output=True, text=True).stdout
-    return sorted(set(re.findall(r'^FAILED \S+::(\w+)', out, re.M))), out
+def _failing(folder, first=True):
+    """The names of the tests that fail in ``folder``'s copy (its package imported first): with ``first``, the
+    first that fails, the quick tests before the simulation's properties."""
+    outs = []
+    for selection in ('not ({})'.format(PROPERTIES), PROPERTIES):
+        outs.append(subprocess.run([sys.executable, '-m', 'pytest', *TESTS, '-q', '-n', '0', '-p', 'no:cacheprovider',
+                                    '-rf', '-k', selection] + (['-x'] if first else []),
+                                   cwd=folder, capture_output=True, text=True).stdout)
+        failed = sorted(set(re.findall(r'^(?:FAILED|ERROR) \S+?(?:::(\w+)|$)', outs[-1], re.M)) - {''}) or (
+            ['(an error: run the tests)'] if re.search(r'^ERROR ', outs[-1], re.M) else [])
+        if failed and first or ' passed' not in outs[-1]:
+            break
+    return failed, '\n'.join(outs)
 
 
 def main(names):
+    started = time.monotonic()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     survivors = []
     with tempfile.TemporaryDirectory() as folder:
@@ -88,8 +123,8 @@ def main(names):
         where = subprocess.run([sys.executable, '-c', 'import torchbearer_dist; print(torchbearer_dist.__file__)'],
                                cwd=folder, capture_output=True, text=True).stdout
         assert where.startswith(folder), ('the copy is not the package imported there', where)
-        failed, out = _failing(folder)
-        if failed or ' passed' not in out:
+        failed, out = _failing(folder, first=False)
+        if failed or out.count(' passed') != 2:
             print(out)
             print('the unchanged copy fails: {}'.format(failed))
             return 1
@@ -98,7 +133,7 @@ def main(names):
                      (MUTANTS[name] if isinstance(MUTANTS[name], list) else [MUTANTS[name]])
                      if os.path.exists(os.path.join(folder, path)) and _read(folder, path).count(text) == 1]
             if not found:
-                print('{:40} NO LONGER APPLIES: update it'.format(name), flush=True)
+                print('{:44} NO LONGER APPLIES: update it'.format(name), flush=True)
                 survivors.append(name)
                 continue
             path, text, replacement = found[0]
@@ -110,9 +145,10 @@ def main(names):
             finally:
                 with open(target, 'w') as f:
                     f.write(original)
-            print('{:40} {}'.format(name, ', '.join(failed) or 'SURVIVED'), flush=True)
+            print('{:44} {}'.format(name, ', '.join(failed) or 'SURVIVED'), flush=True)
             if not failed:
                 survivors.append(name)
+    print('{} mutants, {} survived, {:.0f} s'.format(len(names or MUTANTS), len(survivors), time.monotonic() - started))
     return 1 if survivors else 0
 
 
