@@ -1,8 +1,8 @@
 """One replica of the fault-tolerant tests: a small Trial whose every step goes through torchft's Manager.
 
-Prints ``STEP epoch batch`` after each step and ``DONE <weights hash> <heals> <pid> <metrics>`` at the end;
-an error ends it with one line on stderr and status 1. With ``--record PATH`` the user's own callbacks sit
-around ours (:class:`ClipGradients` before, :class:`Record` after) and what they saw is saved to ``PATH``.
+Prints ``STEP epoch batch`` after each step, and ``BUFFERS <buffers hash>`` then ``DONE <weights hash> <heals> <pid>
+<metrics>`` at the end; an error ends it with one line on stderr and status 1. With ``--record PATH`` the user's own
+callbacks sit around ours (:class:`ClipGradients` before, :class:`Record` after) and what they saw is saved to ``PATH``.
 """
 import argparse
 import hashlib
@@ -44,9 +44,31 @@ def dataset(samples):
     return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
 
 
-def model(replica, hidden):
+def model(replica, hidden, batchnorm=False):
+    """The replicas' model; ``batchnorm``: a BatchNorm1d after the first layer (running statistics as buffers)."""
     torch.manual_seed(100 + replica)  # different initial weights: the first step's init_sync aligns them
-    return torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
+    return torch.nn.Sequential(torch.nn.Linear(20, hidden), *norm, torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+
+
+def digest(tensors):
+    """A hash of ``tensors``' values, bit for bit."""
+    return hashlib.sha256(b''.join(t.detach().contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+class ExitAt(Callback):
+    """Ends the process at once (``os._exit``, as a kill would: no cleanup) after the run's ``step``-th training
+    step, counted from this process's start, after every other callback of that step (None: never)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.steps = step, 0
+
+    def on_step_training(self, state):
+        self.steps += 1
+        if self.steps == self.step:
+            print('EXIT', state[torchbearer.EPOCH], state[torchbearer.BATCH], flush=True)
+            os._exit(3)
 
 
 class ClipGradients(Callback):
@@ -80,6 +102,21 @@ class Record(Callback):
         self.losses.append(float(state[torchbearer.LOSS].detach()))
 
 
+def exit_in_meeting(k):
+    """End the process (``os._exit(3)``) in its ``k``-th DiLoCo meeting, after the quorum, before any collective:
+    a replica lost during that meeting, which its survivors drop."""
+    from torchbearer_dist.sync import meeting
+    real, calls = meeting.meet, [0]
+
+    def meet(manager, engine, trained):
+        calls[0] += 1
+        if calls[0] == k:
+            print('EXIT in meeting', k, flush=True)
+            os._exit(3)
+        return real(manager, engine, trained)
+    meeting.meet = meet
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--lighthouse', type=str, required=True)
@@ -98,12 +135,20 @@ def main():
     parser.add_argument('--batch-size', type=int, default=10)
     parser.add_argument('--then-epochs', type=int, help='after the run of --epochs, run() again up to these epochs')
     parser.add_argument('--local-steps', type=int, help="DiLoCo's H: meetings through torchft every H steps")
+    parser.add_argument('--batchnorm', action='store_true', help='a BatchNorm1d in the model')
+    parser.add_argument('--every-steps', type=int, help="--checkpoint's step checkpoints: every this many steps")
+    parser.add_argument('--resume', type=str, help='load_checkpoint this file before the run')
+    parser.add_argument('--exit-at', type=int, help="end the process (os._exit(3)) after this process's N-th step")
+    parser.add_argument('--exit-in-meeting', type=int, help='end the process in its N-th DiLoCo meeting (its quorum '
+                        'formed, nothing sent)')
     args = parser.parse_args()
+    if args.exit_in_meeting:
+        exit_in_meeting(args.exit_in_meeting)
     torch.set_num_threads(1)
     data = dataset(args.samples)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(
         data, num_replicas=args.replicas, rank=args.replica, seed=0))
-    net = model(args.replica, args.hidden)
+    net = model(args.replica, args.hidden, args.batchnorm)
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     callbacks = tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
@@ -111,11 +156,14 @@ def main():
                                           local_steps=args.local_steps)
     ft = next(c for c in callbacks if isinstance(c, tbd.FaultTolerantAllReduce))
     if args.checkpoint:
-        callbacks.append(tbd.Checkpoint(args.checkpoint))
+        callbacks.append(tbd.Checkpoint(args.checkpoint, every_steps=args.every_steps))
     before, after = (ClipGradients(0.25), Record()) if args.record else (Callback(), Callback())
     trial = Trial(net, optimizer, torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
-                  callbacks=[Progress(args.sleep, args.gate, args.gate_step), before, *callbacks, after])
+                  callbacks=[Progress(args.sleep, args.gate, args.gate_step), before, *callbacks, after,
+                             ExitAt(args.exit_at)])
     trial.with_generators(loader)
+    if args.resume:
+        tbd.load_checkpoint(args.resume, trial=trial)
     print('READY', flush=True)
     history = trial.run(args.epochs, verbose=0)
     if args.then_epochs:
@@ -124,11 +172,11 @@ def main():
         diloco = next((c for c in callbacks if isinstance(c, tbd.DiLoCo)), None)
         torch.save({'initial': initial, 'start': after.start, 'final': net.state_dict(), 'losses': after.losses,
                     'clipped': before.norms, 'norms': after.norms, 'history': history,
-                    'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps},
-                   args.record)
-    digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+                    'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps,
+                    'buffer_anchor': diloco and diloco.engine.buffer_anchor}, args.record)
     print('EPOCHS', len(history), 'RESTARTS', ft.restarts, flush=True)
-    print('DONE', digest, ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)
+    print('BUFFERS', digest(net.buffers()), flush=True)
+    print('DONE', digest(net.parameters()), ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)
 
 
 if __name__ == '__main__':

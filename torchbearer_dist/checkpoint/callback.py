@@ -6,7 +6,7 @@ import torch
 import torchbearer
 from torchbearer import Callback
 
-from torchbearer_dist import _torchbearer
+from torchbearer_dist import _torchbearer, data
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.files import _payload, _write_checkpoint
 from torchbearer_dist.runtime import interrupts
@@ -151,7 +151,7 @@ class Checkpoint(Callback):
         self._done = _midepoch.resume_epoch(state, position, self._epoch_rng)
         # The rest of an epoch resharded over another world size has no position of its own in the saved
         # order: its step checkpoints are skipped, and a fault resumes from the one just loaded.
-        self._resharded = position['world_size'] != collectives.world_size()
+        self._resharded = position['world_size'] != _shards(state)
         if mine is not None and not self._resharded:
             _midepoch.set_rng_state(mine)
 
@@ -222,7 +222,7 @@ class Checkpoint(Callback):
         batch_sampler = getattr(loader, 'batch_sampler', None)
         position = {'epoch': state[torchbearer.EPOCH], 'batches': self._done,
                     'batch_size': getattr(batch_sampler, 'batch_size', None),
-                    'world_size': collectives.world_size(), 'steps': _steps_total(state)}
+                    'world_size': _shards(state), 'steps': _steps_total(state)}
         _write_checkpoint(self.path, _payload(state[torchbearer.MODEL], state[torchbearer.OPTIMIZER],
                                               state[torchbearer.HISTORY], state[torchbearer.CALLBACK_LIST],
                                               position=position, rng=rngs), self.keep)
@@ -254,6 +254,13 @@ def _gather_for_checkpoint(state):
         gather = getattr(callback, 'gather_for_checkpoint', None)
         if callable(gather):
             gather(state)
+
+
+def _shards(state):
+    """The shards the training data is split into: its DistributedSampler's ``num_replicas`` (each replica of the
+    fault-tolerant mode is a world of one, training one shard of them), else the world size."""
+    sampler = data.distributed_sampler(state[torchbearer.GENERATOR])
+    return getattr(sampler, 'num_replicas', None) or collectives.world_size()
 
 
 def _steps_total(state):

@@ -1,8 +1,9 @@
 """(private) What a replica sends to one that heals from it, and how the healing one takes it.
 
 A Trial's state, as a step checkpoint holds it (:mod:`torchbearer_dist.checkpoint.files`): every model and
-optimizer the Trial holds, the callbacks' states (DiLoCo's anchor among them) and schedulers, the history, and
-the position in the epoch, so that the healed replica goes on with its healer's next batch. torchft's Manager
+optimizer the Trial holds, the callbacks' states (DiLoCo's anchor among them) and schedulers, the history, the
+position in the epoch, and a checkpoint the healer loaded but has not resumed yet, so that the healed replica goes
+on with its healer's next batch. torchft's Manager
 carries it: nothing here touches a file or a process group.
 """
 from importlib import metadata
@@ -85,7 +86,15 @@ def capture(state, position, sender):
         'position': dict(position),
         'config': dict(sender),
         'optimizer_layout': [_optimizer_layout(opt) for opt in optimizers(state)],
+        'resume': [{'position': keeper.pending_position, 'rng': keeper.pending_rng,
+                    'schedulers': keeper.pending_schedulers} for keeper in _keepers(callbacks)],
     }
+
+
+def _keepers(callbacks):
+    """The Trial's :class:`~torchbearer_dist.Checkpoint` callbacks, known by what they take (as ``files`` finds
+    them): a checkpoint loaded before ``run()`` waits in them until the run's first epoch."""
+    return [c for c in (callbacks or ()) if hasattr(c, 'pending_schedulers') and hasattr(c, 'pending_position')]
 
 
 def _optimizer_layout(optimizer):
@@ -139,4 +148,10 @@ def restore(state, payload, source, mine):
     trial = state.get(torchbearer.SELF)
     if trial is not None and payload['callbacks']:
         files._restore_callbacks(trial, payload['callbacks'])
+    # A checkpoint the healer loaded and has yet to resume (replicas started again from one checkpoint heal from
+    # the first at their first quorum): this replica resumes it as the healer does, at the same batch.
+    for keeper, pending in zip(_keepers(state.get(torchbearer.CALLBACK_LIST)), payload.get('resume', ())):
+        keeper.pending_position, keeper.pending_rng = pending['position'], pending['rng']
+        if pending['schedulers']:
+            keeper.pending_schedulers = pending['schedulers']
     return payload['position']

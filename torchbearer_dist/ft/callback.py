@@ -8,6 +8,7 @@ from torchbearer import Callback
 
 from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks._batches import batch_size
+from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.checkpoint import _midepoch
@@ -361,12 +362,17 @@ class FaultTolerantAllReduce(Callback):
             self._release()
 
     def _agree_at_end(self, state):
-        """The replicas of the last quorum compare their weights' fingerprints: a difference is an error."""
+        """The replicas of the last quorum compare their weights' fingerprints: a difference is an error.
+
+        The trainable parameters; with DiLoCo's meetings (``every_step=False``) every buffer of the held modules
+        too (BatchNorm's statistics), which each meeting makes the same on every replica. Averaging at every step
+        leaves each replica its own buffers: they are not compared there.
+        """
         manager = self.replica.manager
         count, rank = manager.num_participants(), manager.participating_rank()
         if count <= 1 or rank is None or manager.errored() is not None:
             return
-        params = [p for _, p in trainable(state)]
+        params = [p for _, p in trainable(state)] + ([] if self.every_step else held_buffers(state))
         mine = torch.stack([fingerprint(p) for p in params]) if params else torch.zeros(1, 2)
         rows = torch.zeros(count, 2, dtype=torch.int64)
         rows[rank] = fingerprint(mine)
@@ -377,10 +383,11 @@ class FaultTolerantAllReduce(Callback):
             return
         differ = [i for i in range(count) if not torch.equal(rows[i], rows[rank])]
         if differ:
-            raise RuntimeError('the replicas of the last quorum ended the run with different weights: this one '
+            raise RuntimeError('the replicas of the last quorum ended the run with different weights{}: this one '
                                '(replica {}, rank {} of {}) differs from ranks {}; they trained different models, a '
                                'bug of torchbearer_dist: please report it with every replica\'s output'.format(
-                                   self.replica.replica_id, rank, count, differ))
+                                   '' if self.every_step else ' or buffers', self.replica.replica_id, rank, count,
+                                   differ))
 
     @staticmethod
     def _expire(ref, state_ref):

@@ -161,19 +161,27 @@ class OuterStep:
 
     @torch.no_grad()
     def restart(self, mid_round):
-        """A new run: from the anchor if it ended between two meetings (a run that raised), else from the weights.
+        """A new run: from the anchor if it ended between two meetings (a run that raised, a meeting dropped), else
+        from the weights.
 
         Args:
-            mid_round (bool): the last run trained steps since the last meeting, so the ranks' weights differ
+            mid_round (bool): the last run trained steps since the last meeting, so the ranks' weights differ:
+                the parameters and buffers go back to the anchor, every rank's the same
         """
         self.meeting = None  # one in flight when the last run raised
         if self.local is not None:  # the last run ended showing the anchor (after a validation): it goes on from there
             self.show_local(keep=False)
         elif mid_round:
-            for p, a in zip(self.params, self.anchor):
-                p.copy_(a)
+            self.to_anchor()
             return
         self.reset_anchor()
+
+    @torch.no_grad()
+    def to_anchor(self):
+        """Put the anchor into the parameters and the buffers as of the last meeting into the buffers: the round's
+        local progress dropped, every rank holds the same values again."""
+        for t, a in zip(self.params + self.buffers, self.anchor + self.buffer_anchor):
+            t.copy_(a)
 
     @torch.no_grad()
     def show_anchor(self):
@@ -257,7 +265,9 @@ class OuterStep:
                 else:
                     p.copy_(a)
         self.steps += 1
-        if self.group.alone():
+        if self.group.alone():  # nothing travelled: the buffers as they are now are the meeting's
+            for b, anchor in zip(self.buffers, self.buffer_anchor):
+                anchor.copy_(b)
             return bool(meeting.stop)
         pairs = list(zip(self.buffers, self.buffer_anchor))
         offset = 0

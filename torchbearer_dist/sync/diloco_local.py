@@ -95,7 +95,8 @@ def restore_local(engine, saved, optimizer):
 
     At the world size that wrote it, every rank takes its own entry and the run goes on bit-identical;
     at another, or from a checkpoint without every rank's entry (another checkpointer's), every rank
-    starts again from the anchor (a warning on rank 0 says so; a meeting in flight then is dropped).
+    starts again from the anchor and the buffers as of the last meeting (a warning on rank 0 says so; a
+    meeting in flight then is dropped).
 
     Args:
         engine (OuterStep): the engine, its anchor and outer state already loaded
@@ -122,6 +123,5 @@ def restore_local(engine, saved, optimizer):
                  'was written at world size {}; at world size {}'.format(len(local), collectives.world_size()))
         warnings.warn('the checkpoint was written {} local steps after an outer step and {}: every rank starts again '
                       'from the anchor'.format(saved['inner_steps'], where), stacklevel=3)
-    for p, a in zip(engine.params, engine.anchor):
-        p.copy_(a)
+    engine.to_anchor()  # the parameters and the buffers, every rank's the same
     return 0, 0
