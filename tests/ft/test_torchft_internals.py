@@ -51,3 +51,19 @@ def test_a_wait_for_the_quorum_in_flight_ends_at_once_when_woken():
             assert _torchft.wake_quorum_wait(object()) is False  # nothing in flight: nothing to wake
         finally:
             replica.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_quorum_id_is_read_where_torchft_keeps_it_and_stays_while_the_membership_does():
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0) as lighthouse:
+        url = 'http://127.0.0.1:' + lighthouse.address.rsplit(':', 1)[1]
+        replica = Replica(url, 'canary', lambda payload: None, lambda: {}, timeout=5.0, host='127.0.0.1')
+        try:
+            before = _torchft.quorum_id(replica.manager)
+            replica.start_quorum()
+            first = _torchft.quorum_id(replica.manager)
+            replica.start_quorum()
+            assert isinstance(first, int) and first != before and _torchft.quorum_id(replica.manager) == first, (
+                'Manager._quorum_id no longer holds the last quorum\'s id: update _torchft.quorum_id')
+        finally:
+            replica.shutdown()

@@ -157,6 +157,8 @@ class DiLoCo(Callback):
             self._load(self._pending, state[torchbearer.OPTIMIZER])
         if fresh and self.meetings is not None:  # the rest of the meeting whose quorum this replica joined at start
             self.meetings.meet(self.engine, trained=False, quorum=False)
+        elif self.meetings is not None and self.inner_steps == 0:  # a round begins with this pass: replicas may join
+            self.meetings.meet(self.engine, trained=False, join=True)
         if self._hook is None:
             self._state = weakref.ref(state)
             self._hook = state[torchbearer.OPTIMIZER].register_step_post_hook(self._after_inner_step)

@@ -13,6 +13,7 @@ import torchbearer
 
 from torchbearer_dist.callbacks._held import held_modules, optimizer_objects
 from torchbearer_dist.checkpoint import files
+from torchbearer_dist.ft._vote import AGREE
 
 #: Marks a heal payload of this package, and its layout version.
 FORMAT = 'torchbearer_dist.ft/2'
@@ -38,23 +39,9 @@ def _installed(name):
         return 'not installed'
 
 
-#: For each :func:`config` entry that must agree: what it is, and what to do where it does not.
-_AGREE = {
-    'shards': ("shard count (the DistributedSampler's num_replicas, the example's --replicas)",
-               'start every replica with the same shard count'),
-    'batch_size': ('batch size', 'start every replica with the same batch size'),
-    'local_steps': ("local_steps (DiLoCo's; None: averaging at every step)", 'start every replica with the same '
-                    'local_steps'),
-    'versions': ('versions', 'install the same versions on every machine'),
-}
-
-
 def _check_config(mine, theirs):
-    if mine['replica_id'] == theirs['replica_id']:
-        raise Refused("this replica cannot join: its replica_id '{}' is the name of the live replica it would heal "
-                      'from; stop the other process of that name (a requeue while the old job still runs?) or pass '
-                      'another replica_id'.format(mine['replica_id']))
-    for key, (what, remedy) in _AGREE.items():
+    for key in ('shards', 'batch_size', 'local_steps', 'versions'):
+        what, remedy = AGREE[key]
         if mine[key] != theirs[key]:
             raise Refused('this replica cannot join: its {} is {} here and {} at the replicas training; {}'.format(
                 what, mine[key], theirs[key], remedy))
@@ -63,6 +50,14 @@ def _check_config(mine, theirs):
 def optimizers(state):
     """Every distinct optimizer object the Trial's state holds, ``state[OPTIMIZER]`` first (see ``_held``)."""
     return [item for _, item in optimizer_objects(state) if callable(getattr(item, 'step', None))]
+
+
+def layouts(state):
+    """The layout of the Trial's modules (names, shapes, dtypes) and of its optimizers, as :func:`restore` checks
+    them: what the replicas of a run must share beyond their :func:`config`."""
+    modules = dict(held_modules(state))
+    return _layout({label: m.state_dict() for label, m in modules.items()}), \
+        [_optimizer_layout(opt) for opt in optimizers(state)]
 
 
 def _layout(module_states):
@@ -132,16 +127,14 @@ def restore(state, payload, source, mine):
         raise Refused('this replica cannot heal from {}: it sent no {} state (another package version?); start '
                            'every replica with the same torchbearer_dist'.format(source, FORMAT))
     _check_config(mine, payload['config'])
-    modules = dict(held_modules(state))
-    _check_same_model(_layout({label: m.state_dict() for label, m in modules.items()}), payload['layout'], source)
-    held = optimizers(state)
-    here = [_optimizer_layout(opt) for opt in held]
+    model, here = layouts(state)
+    _check_same_model(model, payload['layout'], source)
     if here != payload['optimizer_layout']:
         raise Refused('this replica cannot heal from {}: it holds the optimizers {} there and {} here; start every '
                       'replica with the same program'.format(source, payload['optimizer_layout'], here))
-    for label, module in modules.items():
+    for label, module in held_modules(state):
         module.load_state_dict(payload['modules'][label])
-    for optimizer, saved in zip(held, payload['optimizers']):
+    for optimizer, saved in zip(optimizers(state), payload['optimizers']):
         optimizer.load_state_dict(saved)
     history = state[torchbearer.HISTORY]
     history[:] = [dict(entry) for entry in payload['history']]  # the Trial's own list: run() counts epochs from it

@@ -11,6 +11,9 @@ tests/ft/test_torchft_internals.py fails if one of them moves:
 - :func:`wake_quorum_wait`: ``Manager._quorum_future``, the quorum in flight, waited for by the main thread in
   ``Manager.start_quorum`` (``future.result()``), while torchft's quorum thread is inside a Rust call that
   nothing interrupts for up to three ``timeout``\\ s.
+- :func:`quorum_id`: ``Manager._quorum_id``, the lighthouse's number of the last quorum this replica joined (it
+  changes with the quorum's membership): the replicas of a new one compare their configurations once
+  (:mod:`~torchbearer_dist.ft._vote`); torchft has no public accessor for it.
 """
 import concurrent.futures
 
@@ -36,3 +39,8 @@ def wake_quorum_wait(manager):
     with future._condition:  # Future.result() waits on it; woken with the future still running, it raises
         future._condition.notify_all()
     return True
+
+
+def quorum_id(manager):
+    """The id of the last quorum ``manager`` joined (the same on every replica of it; new when its membership is)."""
+    return manager._quorum_id

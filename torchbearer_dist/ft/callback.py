@@ -14,13 +14,16 @@ from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, los
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
-from torchbearer_dist.ft import _events, _heal, _signals
+from torchbearer_dist.ft import _events, _heal, _signals, _torchft, _vote
 from torchbearer_dist.ft._pause import PauseClock
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
 from torchbearer_dist.sync import collectives, meeting
 from torchbearer_dist.sync._autograd import queue_at_backward_end
 from torchbearer_dist.sync.fingerprint import fingerprint
 from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, pack
+
+#: Quorums in a row a replica takes while the vote refuses a replica of each (a refused one leaves at once).
+VOTES = 4
 
 
 class FaultTolerantAllReduce(Callback):
@@ -98,11 +101,14 @@ class FaultTolerantAllReduce(Callback):
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
         self.restarts = 0  # runs this replica ended and began again at its healer's position (a heal mid-run)
         self._restart = None  # that position, from a heal mid-run until the run begins again there
+        self._quorum = self._refusal = None  # the last quorum voted in; why a heal's payload was not loaded
+        self._news = []  # the lines of a heal, said once the quorum's vote let this replica in
         self._reset()
 
     def _reset(self):
         self._state = self._pending = None
         self._open = self._in_step = self._averaged = self._queued = self._meets = self._passing = False
+        self._joining = False  # in the quorum of a pass's start (see meet)
         self._commit, self._params, self._gated, self._samples = None, [], [], {'train': 0, 'val': 0}
         self._buckets, self._slots, self._next = [], {}, 0  # the gradient buckets, each parameter's, the next to send
 
@@ -139,8 +145,16 @@ class FaultTolerantAllReduce(Callback):
 
     def _start_quorum(self, shrink_only=False):
         stopped, heals = self._clock.take(), self.heals
-        self.replica.start_quorum(shrink_only)
         manager = self.replica.manager
+        for _ in range(VOTES):
+            trained = manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
+            self._refusal = None
+            self.replica.start_quorum(shrink_only)
+            if not self._vote(trained):
+                break  # nobody refused: the quorum trains; else a new one, without the replica refused
+        else:
+            raise _heal.Refused('this replica found {} quorums in a row with a replica refused in it; restart it'
+                                .format(VOTES))
         count = manager.num_participants()
         if stopped and self._peers > 1 and count == 1 and self.heals == heals:
             raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) and finds no live '
@@ -148,6 +162,39 @@ class FaultTolerantAllReduce(Callback):
                                 'train on alone from where it was (restart it to start anew)'.format(stopped))
         self._peers = count
         self.writer = self._state()[WRITER] = manager.participating_rank() == 0
+        news, self._news = self._news, []
+        for line in news:  # a heal's, once the vote let this replica in
+            _events.say(line)
+
+    def _vote(self, trained):
+        """At a quorum of new membership, every replica's configuration through one all-reduce (see ``_vote``):
+        this one refused raises its line; True where another was refused (every replica then takes a new quorum)."""
+        manager = self.replica.manager
+        quorum, refusal, self._refusal = _torchft.quorum_id(manager), self._refusal, None
+        count, rank = manager.num_participants(), manager.participating_rank()
+        if quorum == self._quorum or rank is None or count == 1:  # nothing new to compare
+            if refusal is not None:  # healed at a quorum already voted in (cannot be: a new replica is a new quorum)
+                raise _heal.Refused(refusal)
+            return False
+        self._quorum = quorum
+        state = self._state()
+        model, optimizers = _heal.layouts(state)
+        rows = _vote.table(count, rank, _vote.row(self._config(state), trained, model, optimizers))
+        manager.allreduce(rows, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if manager.errored() is not None:  # a replica lost meanwhile: this quorum's steps are dropped anyway
+            self._quorum = None
+            return refusal is not None  # a payload not loaded: a new quorum, where this replica heals again
+        refused = _vote.decide(rows.tolist(), self.replica.replica_id)
+        trainers = any(rows[:, _vote.COLUMNS.index('trained')].tolist())
+        if rank in refused or (refusal is not None and trainers):  # the heal's words, where it healed from a trainer
+            self._news = []
+            self._release()  # out of the quorums at once: the others take a new one without this replica
+            raise _heal.Refused(refusal if refusal is not None and trainers else refused[rank])
+        if refused:
+            _events.say('replica {} goes on without rank{} {} of the quorum (refused: another configuration, or a '
+                        'replica_id taken)'.format(self.replica.replica_id, 's' * (len(refused) > 1),
+                                                   ', '.join(str(r) for r in sorted(refused))))
+        return bool(refused) or refusal is not None
 
     def on_start_training(self, state):
         if self.replica is None:  # only run() trains: one that began with a loader left in state, not evaluate()
@@ -224,21 +271,24 @@ class FaultTolerantAllReduce(Callback):
             bucket.work.wait()  # an error is torchft's to report: the step is then not committed
             bucket.unpack()
 
-    def meet(self, engine, trained, quorum=True):
+    def meet(self, engine, trained, quorum=True, join=False):
         """DiLoCo's meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`); True if committed.
 
         After a quorum (``quorum``), where a replica behind heals and counts as not trained; one that ends a pass
-        takes no new replica (``shrink_only``: healed there, it would start a pass with no batch left).
+        takes no new replica (``shrink_only``: healed there, it would start a pass with no batch left). ``join``:
+        the empty meeting at the start of a pass that begins a round, whose quorum takes the replicas waiting to
+        join (where every meeting ends a pass, as with ``local_steps`` equal to an epoch's steps, they would
+        otherwise wait until the others' runs end, and then train alone); one joins at the pass's first batch.
         """
         if not quorum and not self._open:  # no quorum at this run's start (it began again after a heal mid-run)
             return False
         if quorum:
-            heals, self._meets, state = self.heals, True, self._state()
+            heals, self._meets, self._joining, state = self.heals, True, join, self._state()
             try:
-                self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS] or
-                                   not self._passing)
+                self._start_quorum(shrink_only=not join and (state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS]
+                                                             or not self._passing))
             finally:
-                self._meets = False
+                self._meets = self._joining = False
             trained = trained and self.heals == heals
         committed = meeting.meet(self.replica.manager, engine, trained)
         if not committed:
@@ -311,8 +361,9 @@ class FaultTolerantAllReduce(Callback):
         state = self._state()
         loader = state.get(torchbearer.GENERATOR)
         sampler = distributed_sampler(loader) if loader is not None else None
-        # At a step's quorum: about to train batch state[BATCH]; at a meeting: after it; else at the run's start.
-        training = self._in_step or self._meets
+        # At a step's quorum: about to train batch state[BATCH]; at a meeting: after it; else at the start of the
+        # run or of a pass (history holds the epochs before it).
+        training = (self._in_step or self._meets) and not self._joining
         position = {'epoch': state[torchbearer.EPOCH] if training else len(state[torchbearer.HISTORY]),
                     'batches': state[torchbearer.BATCH] + self._meets if training else 0,
                     'batch_size': getattr(getattr(loader, 'batch_sampler', None), 'batch_size', None),
@@ -321,13 +372,17 @@ class FaultTolerantAllReduce(Callback):
 
     def _load(self, payload):
         state = self._state()
-        position = _heal.restore(state, payload, 'a healthy replica', self._config(state))
+        try:
+            position = _heal.restore(state, payload, 'a healthy replica', self._config(state))
+        except _heal.Refused as e:  # the quorum's vote decides who is refused: the healer may be the odd one
+            self._refusal = str(e)
+            return
         if self.replica.manager.current_step() > 0:  # not the first step's init_sync: a heal
             self.heals += 1
         if not (self._in_step or self._meets):
             self._pending = position  # at the run's start: its first epoch begins at the healer's position
             if self.heals:
-                _events.say('replica {} healed from a live replica: it goes on at epoch {}, batch {}'.format(
+                self._news.append('replica {} healed from a live replica: it goes on at epoch {}, batch {}'.format(
                     self.replica.replica_id, position['epoch'], position['batches']))
             return
         # Mid-run (a pause past the heartbeat, a heal cut short before): this step or meeting ends together with
@@ -335,16 +390,22 @@ class FaultTolerantAllReduce(Callback):
         # loop, so the run ends after this step and begins again there (on_end), on the same Manager.
         epoch, steps = state[torchbearer.EPOCH], state[torchbearer.STEPS]
         target = dict(position, batches=position['batches'] + self._in_step)
-        if (target['epoch'], target['batches']) == (epoch, state[torchbearer.BATCH] + 1):
+        here = (epoch, 0) if self._joining else (epoch, state[torchbearer.BATCH] + 1)
+        if (target['epoch'], target['batches']) == here:
             return  # already there
+        if self._joining:  # at a pass's start, before any step: no step to end the run after
+            raise _heal.Refused('this replica healed at the start of epoch {} (it was at the start of epoch {}), where '
+                                'its run cannot go on from the healer\'s position; restart it: it heals again at its '
+                                'start'.format(target['epoch'], epoch))
         if target['batches'] >= steps:
             raise _heal.Refused('this replica healed at the last step of epoch {} (it was at epoch {}, batch {}), '
                                 'where its run cannot go on from the healer\'s position; restart it: it heals again '
                                 'at its start'.format(target['epoch'], epoch, state[torchbearer.BATCH]))
         self._restart = target
-        _events.say('replica {} healed mid-run at epoch {}, batch {} (it was at epoch {}, batch {}): its run ends '
-                    'after this step and begins again there'.format(self.replica.replica_id, target['epoch'],
-                                                                   target['batches'], epoch, state[torchbearer.BATCH]))
+        self._news.append('replica {} healed mid-run at epoch {}, batch {} (it was at epoch {}, batch {}): its run '
+                          'ends after this step and begins again there'.format(
+                              self.replica.replica_id, target['epoch'], target['batches'], epoch,
+                              state[torchbearer.BATCH]))
 
     # --- the end of a run, however it ends ------------------------------------------------------------------
 
