@@ -172,11 +172,11 @@ class FaultTolerantAllReduce(Callback):
         manager = self.replica.manager
         quorum, refusal, self._refusal = _torchft.quorum_id(manager), self._refusal, None
         count, rank = manager.num_participants(), manager.participating_rank()
-        if quorum == self._quorum or rank is None or count == 1:  # nothing new to compare
+        new, self._quorum = quorum != self._quorum, quorum  # every quorum's id, alone too: torchft's, tracked exactly
+        if not new or rank is None or count == 1:  # nothing new to compare
             if refusal is not None:  # healed at a quorum already voted in (cannot be: a new replica is a new quorum)
                 raise _heal.Refused(refusal)
             return False
-        self._quorum = quorum
         state = self._state()
         model, optimizers = _heal.layouts(state)
         rows = _vote.table(count, rank, _vote.row(self._config(state), trained, model, optimizers))
