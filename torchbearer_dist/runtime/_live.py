@@ -117,7 +117,7 @@ class LiveGroup:
                 if decision.stop_peers and not stopped:  # once: their collectives fail, rank 0 decides too
                     self.stop_peers()
                     stopped = True
-                time.sleep(0.05)
+                time.sleep(Timing.POLL)
             else:
                 break
         # at the join, the main thread's store connections may have been shut to wake gloo: the heartbeat's serves
@@ -205,7 +205,7 @@ class LiveGroup:
                     break
             except Exception:
                 break
-            time.sleep(0.05)
+            time.sleep(Timing.POLL)
         return self.cause
 
     def end(self, at_exit=False):

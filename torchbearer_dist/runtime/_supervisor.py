@@ -195,7 +195,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
         if deadline is not None and time.monotonic() - started > deadline:
             raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
                 running, deadline))
-        connection.wait([p.sentinel for p in processes] + pipes, timeout=0.1)
+        connection.wait([p.sentinel for p in processes] + pipes, timeout=Timing.CHILDREN_POLL)
     _collect(pipes, reports)
     results = {rank: report[1] for rank, report in reports.items() if report is not None and report[0] == 'ok'}
     if len(results) == len(processes):

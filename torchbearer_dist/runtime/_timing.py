@@ -22,6 +22,10 @@ class Timing:
     REPLICA_STOP_GRACE = 1.5
     # launch() waits this long after the first failure for the other ranks' reports (the root cause may come second)
     KILL_GRACE = 3.0
+    POLL = 0.05  # a loop waiting for a condition (a peer's cause, the readers, a decision's wait) checks this often
+    CHILDREN_POLL = 0.1  # launch() and a port that refuses are looked at again this often
+    WATCH_STOP = 0.5  # the heartbeat's threads get this long to end when stopped (not a store call on a silent host)
+    REQUEUE_CALL = 30.0  # SLURM's scontrol requeue, at a preemption
 
     def __init__(self, limit, timeout=None):
         self.limit = limit
@@ -55,7 +59,7 @@ class Timing:
         return 1.0 if timed_out else self.CAUSE_WAIT
 
 
-def poll(ready, seconds, step=0.05):
+def poll(ready, seconds, step=Timing.POLL):
     """Call ``ready`` every ``step`` seconds until it returns a true value, or for ``seconds`` at most.
 
     Returns:

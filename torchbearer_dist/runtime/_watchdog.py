@@ -53,7 +53,7 @@ class Watchdog:
             thread.start()
         return self
 
-    def stop(self, wait=0.5):
+    def stop(self, wait=Timing.WATCH_STOP):
         """Stop both threads, waiting ``wait`` seconds at most (not for a store call blocked on a silent host);
         :meth:`join` waits for the rest."""
         self._stop.set()

@@ -191,7 +191,8 @@ def requeue_slurm_job():
         return False
     import subprocess
     try:
-        done = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True,
+                              timeout=Timing.REQUEUE_CALL)
         why = done.stderr.strip() if done.returncode != 0 else None
     except (OSError, subprocess.TimeoutExpired) as error:
         why = error

@@ -68,12 +68,12 @@ def _connect(host, port, timeout):
     while True:
         try:
             left = started + seconds - time.monotonic()
-            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+            with socket.create_connection((host, port), timeout=max(Timing.CHILDREN_POLL, min(Timing.PROBE, left))):
                 break
         except OSError as error:
             if time.monotonic() - started >= seconds:
                 raise unreachable(error.strerror or str(error) or type(error).__name__) from None
-            time.sleep(0.1)
+            time.sleep(Timing.CHILDREN_POLL)
     result, done = {}, threading.Event()
 
     def connect():
@@ -91,7 +91,7 @@ def _connect(host, port, timeout):
         # bpo-45274's fix).
         done.wait(max(0.0, started + Timing(seconds).listener - time.monotonic()))
     except BaseException:  # Ctrl-C: the master accepted, so a store answers within moments, or never
-        done.wait(1.0)
+        done.wait(Timing.PROBE)
         raise
     if 'store' in result:
         return result['store']
