@@ -4,7 +4,7 @@ The stand-in plays the other replicas of the quorum: each all-reduce adds what t
 """
 import torch
 
-from torchbearer_dist.sync import meeting
+from torchbearer_dist.sync import group, meeting
 from torchbearer_dist.sync.diloco import OuterStep
 
 
@@ -35,6 +35,9 @@ class _Manager:
     def should_commit(self):
         return self.commit
 
+    def errored(self):
+        return None
+
 
 def _engine(anchor, local):
     param = torch.nn.Parameter(torch.tensor(anchor))
@@ -48,7 +51,7 @@ def test_a_meeting_torchft_does_not_commit_is_dropped_every_parameter_back_at_th
     engine, param = _engine([1.0, 2.0], [0.5, 1.0])
     assert meeting.meet(_Manager(commit=False), engine, trained=True) is False
     assert torch.equal(param.detach(), torch.tensor([1.0, 2.0])) and torch.equal(engine.anchor[0], param.detach())
-    assert engine.steps == 0 and engine.meeting is None and engine.group is meeting.DEFAULT
+    assert engine.steps == 0 and engine.meeting is None and engine.group is group.WORLD
 
 
 def test_a_committed_meeting_steps_the_anchor_with_the_mean_over_the_replicas_that_trained():

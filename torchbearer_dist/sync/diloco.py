@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from torchbearer_dist.sync.meeting import DEFAULT, Meeting
+from torchbearer_dist.sync.group import WORLD
+from torchbearer_dist.sync.meeting import Meeting
 
 #: What a pseudo-gradient may travel in: None, each parameter's own dtype (an all-reduce); or an encoding of
 #: :mod:`~torchbearer_dist.sync.wire`, added in fp32.
@@ -128,7 +129,7 @@ class OuterStep:
                                      nesterov=nesterov and outer_momentum > 0) if self.anchor else None
         self.steps = 0
         self.meeting = None  # a meeting in flight (begin() without finish())
-        self.group = DEFAULT  # whom meetings go through (meeting.meet puts a torchft quorum's for its meeting)
+        self.group = WORLD  # whom meetings go through (meeting.meet puts a torchft quorum's for its meeting)
         self.bytes_sent = 0  # payload handed to all-reduce and broadcast, for traffic()
         self.comm_seconds = 0.0
 

@@ -2,13 +2,14 @@
 
 Every collective is posted from the training thread, in the same order on every rank, so the ranks'
 collectives match without a second process group or thread of our own; gloo's threads carry them.
-They go through a *group*: :data:`DEFAULT` (the default process group), or a :class:`ManagerGroup`
-over the live replicas of torchft's Manager (the fault-tolerant mode's meetings, :func:`meet`).
+They go through a *group* (:mod:`torchbearer_dist.sync.group`): :data:`~torchbearer_dist.sync.group.WORLD` (the
+default process group), or a :class:`~torchbearer_dist.sync.group.QuorumGroup` over the replicas of torchft's
+Manager that trained since the last meeting (the fault-tolerant mode's meetings, :func:`meet`).
 """
 import torch
-import torch.distributed as dist
 
-from torchbearer_dist.sync import collectives, wire
+from torchbearer_dist.sync import wire
+from torchbearer_dist.sync.group import SUM, WORLD, QuorumGroup
 
 
 class _Done:
@@ -22,68 +23,6 @@ class _Done:
 
     def wait(self):
         return self.values
-
-
-class DefaultGroup:
-    """A meeting's collectives over the default process group: ``size()`` ranks, each one's values summed."""
-
-    def size(self):
-        """The number the sums are divided by: every rank's values count."""
-        return collectives.world_size()
-
-    def alone(self):
-        """Whether no other process takes part (then nothing travels)."""
-        return collectives.world_size() == 1
-
-    def sum(self, tensor):
-        """Sum ``tensor`` over the group in place; returns the collective in flight (``.wait()``)."""
-        return dist.all_reduce(tensor, async_op=True)
-
-    def first(self, tensor):
-        """The first member's ``tensor``, in place on every member; returns the collective in flight."""
-        return dist.broadcast(tensor, 0, async_op=True)
-
-
-#: The fail-fast mode's group: the default process group.
-DEFAULT = DefaultGroup()
-
-
-class ManagerGroup:
-    """A meeting's collectives over the live replicas of a torchft ``Manager``'s quorum (fault-tolerant mode).
-
-    One all-reduce at construction tells every replica which of them trained since the last meeting:
-    a replica that just joined (healed at the quorum, so holding the anchor) takes part in every
-    collective with zeros and counts for nothing; the sums are divided by the replicas that trained,
-    and the first of them gives the integer buffers.
-
-    Args:
-        manager (torchft.Manager): after ``start_quorum()``
-        trained (bool): this replica trained since the last meeting
-    """
-
-    def __init__(self, manager, trained):
-        self.manager, self.trained = manager, trained
-        flags = torch.zeros(manager.num_participants(), dtype=torch.float64)
-        flags[manager.participating_rank()] = 1.0 if trained else 0.0
-        manager.allreduce(flags, reduce_op=dist.ReduceOp.SUM).wait()  # a failure leaves this replica's own
-        self.trainers = int(flags.sum().item())
-        self.head = int(flags.argmax().item()) == manager.participating_rank() and trained
-
-    def size(self):
-        return self.trainers
-
-    def alone(self):
-        return self.manager.num_participants() == 1
-
-    def sum(self, tensor):
-        if not self.trained:
-            tensor.zero_()
-        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
-
-    def first(self, tensor):
-        if not self.head:
-            tensor.zero_()
-        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
 
 
 def meet(manager, engine, trained):
@@ -104,8 +43,8 @@ def meet(manager, engine, trained):
 
     .. warning:: A synchronization point with the replicas of the quorum.
     """
-    engine.group = ManagerGroup(manager, trained)
-    if engine.group.trainers > 0:
+    engine.group = QuorumGroup(manager, trained)
+    if engine.group.size() > 0:
         engine.begin()
         engine.meeting.wait()
     committed = manager.should_commit()
@@ -113,7 +52,7 @@ def meet(manager, engine, trained):
         engine.finish(carry=False)
     elif not committed:
         engine.restart(mid_round=True)
-    engine.group = DEFAULT
+    engine.group = WORLD
     return committed
 
 
@@ -122,7 +61,7 @@ class _Summed:
 
     def __init__(self, values, group):
         self.values = values
-        self.work = group.sum(values)
+        self.work = group.all_reduce(values, SUM)
         self.bytes = values.numel() * values.element_size()
 
     def advance(self):
@@ -189,7 +128,7 @@ class Meeting:
                     self.ranks_zero.append((next(saved), shared['zeros'][k], None))
                 else:
                     zero = b.detach().clone()
-                    self.ranks_zero.append((b.detach().clone(), zero, engine.group.first(zero)))
+                    self.ranks_zero.append((b.detach().clone(), zero, engine.group.broadcast(zero)))
         if not restore:
             engine.bytes_sent += sum(m.bytes for m in self.means) + sum(
                 z.numel() * z.element_size() for _, z, _ in self.ranks_zero) + (

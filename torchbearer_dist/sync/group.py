@@ -1,0 +1,201 @@
+"""Who takes part in a step, and how a tensor is reduced over them: the one object every averaging engine asks.
+
+An engine (the gradient buckets, DiLoCo's meetings) is written once against this interface and handed the group of
+its mode, as torchft's ``DistributedDataParallel`` is torch's DDP handed another process group:
+
+- :class:`DistGroup`: a ``torch.distributed`` process group, the default one unless given one (the fail-fast mode).
+  A collective that fails raises; gloo's plain ``RuntimeError`` becomes a ``DistBackendError``.
+- :class:`QuorumGroup`: the live replicas of a torchft ``Manager``'s quorum (the fault-tolerant mode). Its size is
+  the quorum's at each step; a collective never raises: torchft records the error (``manager.errored()``), the
+  result is then not to be trusted and ``should_commit()`` drops the step on every replica.
+
+Both answer ``size()``, ``alone()``, ``rank()``, ``device(like)``, and start collectives in place that return a
+work whose ``wait()`` returns True when the result holds every member's contribution (False: torchft failed it):
+``all_reduce(tensor, op)`` with ``op`` :data:`SUM` or :data:`AVG` (the sum divided by ``size()``), and
+``broadcast(tensor)`` (the group's first member's values on every member).
+"""
+import torch
+import torch.distributed as dist
+
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def _check_op(op):
+    if op not in (SUM, AVG):
+        raise ValueError('op should be ReduceOp.SUM or ReduceOp.AVG, but given {!r}'.format(op))
+
+
+class _DistWork:
+    """A ``torch.distributed`` collective in flight; its wait raises the collective's error as a ``DistError``."""
+
+    def __init__(self, work, tensor=None, divisor=1):
+        self.work, self.tensor, self.divisor = work, tensor, divisor
+
+    def wait(self):
+        try:
+            self.work.wait()
+        except RuntimeError as error:  # gloo's plain RuntimeError: said to be a collective's by its type
+            if isinstance(error, dist.DistError):
+                raise
+            raise dist.DistBackendError(str(error)) from error
+        if self.divisor != 1:
+            self.tensor.div_(self.divisor)
+        return True
+
+
+class _QuorumWork:
+    """A torchft collective in flight: its wait never raises, and says whether the quorum's result is whole."""
+
+    def __init__(self, manager, work, tensor=None, divisor=1):
+        self.manager, self.work, self.tensor, self.divisor = manager, work, tensor, divisor
+
+    def wait(self):
+        self.work.wait()  # an error is recorded by torchft: the step is then not committed
+        if self.divisor != 1:
+            self.tensor.div_(self.divisor)
+        return self.manager.errored() is None
+
+
+class DistGroup:
+    """The ranks of a ``torch.distributed`` process group: the fail-fast mode's group.
+
+    Example:
+
+        .. code-block:: python
+
+            group = DistGroup()              # the default process group, read when used
+            group.all_reduce(grads, AVG).wait()
+
+    Args:
+        process_group (torch.distributed.ProcessGroup): the group; None: the default one (``WORLD``), read at
+            each call, so one object serves before and after ``init_process_group``
+
+    .. warning:: Every collective is a synchronization point of the group's ranks.
+    """
+
+    def __init__(self, process_group=None):
+        self.process_group = process_group
+
+    def size(self):
+        """The number of ranks, 1 outside a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def alone(self):
+        """Whether no other process takes part (then nothing needs to travel)."""
+        return self.size() == 1
+
+    def rank(self):
+        """This process's rank in the group, 0 outside a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_rank(self.process_group)
+
+    def device(self, like=None):
+        """Where small control tensors of the group live: ``like``'s CUDA device (or the current one) under nccl,
+        the CPU otherwise."""
+        if dist.is_initialized() and dist.get_backend(self.process_group) == 'nccl':
+            if like is not None and like.type == 'cuda':
+                return like
+            return torch.device('cuda', torch.cuda.current_device())
+        return torch.device('cpu')
+
+    def all_reduce(self, tensor, op=SUM):
+        """Reduce ``tensor`` in place over the ranks; ``AVG`` divides the sum by :meth:`size` (gloo has no AVG).
+
+        Returns:
+            the collective in flight: ``wait()`` leaves the result in ``tensor`` and returns True
+
+        .. warning:: A synchronization point: every rank must issue the same collectives in the same order.
+        """
+        _check_op(op)
+        work = dist.all_reduce(tensor, op=SUM, group=self.process_group, async_op=True)
+        return _DistWork(work, tensor, self.size() if op == AVG else 1)
+
+    def broadcast(self, tensor):
+        """The group's first rank's ``tensor``, in place on every rank; returns the collective in flight.
+
+        .. warning:: A synchronization point: every rank must call it.
+        """
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        return _DistWork(dist.broadcast(tensor, src, group=self.process_group, async_op=True))
+
+
+#: The fail-fast mode's group: the default process group.
+WORLD = DistGroup()
+
+
+class QuorumGroup:
+    """The live replicas of a torchft ``Manager``'s quorum: the fault-tolerant mode's group.
+
+    Its members are the replicas of the quorum the Manager holds when a collective starts (``start_quorum()``
+    at every step): :meth:`size` is the live count, and ``AVG`` is torchft's own, the sum divided by the
+    replicas live at that step. With ``trained`` given (DiLoCo's meetings), one all-reduce at construction
+    tells every replica which of them trained since the last meeting: a replica that did not (it just healed,
+    holding the anchor) takes part in every collective with zeros and counts for nothing, :meth:`size` is the
+    replicas that trained, and :meth:`broadcast` sends the first of them's values.
+
+    Example:
+
+        .. code-block:: python
+
+            group = QuorumGroup(manager)     # after manager.start_quorum()
+            ok = group.all_reduce(grads, AVG).wait()   # False: torchft failed it, should_commit() drops the step
+
+    Args:
+        manager (torchft.Manager): the replica's Manager
+        trained (bool): None: every live replica contributes; else whether this one trained since the last
+            meeting (a collective at construction, after ``start_quorum()``)
+
+    .. warning:: Every collective is a synchronization point of the live replicas.
+    """
+
+    def __init__(self, manager, trained=None):
+        self.manager, self.trained = manager, trained
+        self._trainers = self._head = None
+        if trained is not None:
+            flags = torch.zeros(manager.num_participants(), dtype=torch.float64)
+            flags[manager.participating_rank()] = 1.0 if trained else 0.0
+            manager.allreduce(flags, reduce_op=SUM).wait()  # a failure leaves this replica's own
+            self._trainers = int(flags.sum().item())
+            self._head = int(flags.argmax().item()) == manager.participating_rank() and trained
+
+    def size(self):
+        """The replicas that count: the live ones at this step (with ``trained``: those that trained)."""
+        return self.manager.num_participants() if self._trainers is None else self._trainers
+
+    def alone(self):
+        """Whether no other replica is live (then nothing needs to travel)."""
+        return self.manager.num_participants() == 1
+
+    def rank(self):
+        """This replica's rank in the quorum (None: not in it)."""
+        return self.manager.participating_rank()
+
+    def device(self, like=None):
+        """Where tensors the Manager reduces live: the CPU (torchft's gloo group)."""
+        return torch.device('cpu')
+
+    def all_reduce(self, tensor, op=SUM):
+        """Reduce ``tensor`` in place over the live replicas; returns the collective in flight (see the module).
+
+        .. warning:: A synchronization point of the live replicas.
+        """
+        _check_op(op)
+        if self._trainers is None:  # torchft's AVG divides by the replicas live at this step
+            return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=op))
+        if not self.trained:
+            tensor.zero_()
+        work = self.manager.allreduce(tensor, reduce_op=SUM)
+        return _QuorumWork(self.manager, work, tensor, self._trainers if op == AVG and self._trainers else 1)
+
+    def broadcast(self, tensor):
+        """The first counting replica's ``tensor``, in place on every replica; returns the collective in flight.
+
+        .. warning:: A synchronization point of the live replicas.
+        """
+        head = self.manager.participating_rank() == 0 if self._head is None else self._head
+        if not head:
+            tensor.zero_()
+        return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=SUM))
