@@ -11,8 +11,18 @@ before ``backward()`` returns. Every ``on_backward`` callback, wherever it sits 
 custom closures and ``Trial.with_closure`` included, then sees averaged gradients, and nothing can
 touch a gradient while its all-reduce is in flight.
 
-Backward passes are noticed by hooks, per parameter (overlapped) or on the model's output, that act
-only while the buckets are *armed*, within a training step (:mod:`torchbearer_dist.sync._backward_hooks`).
+Backward passes are noticed in one of two ways:
+
+- *Overlapped*: a post-accumulate-grad hook on each parameter copies its gradient in; once every
+  gradient of a bucket is in, the bucket's all-reduce starts while backward computes the rest.
+- *After backward*: one tensor hook on the model's output (the place of DDP's ``_DDPSink``) queues
+  the end-of-backward callback, which copies every gradient into its bucket (one ``copy_`` per
+  parameter, no hook per parameter). Parameters outside the model (learnable loss terms) get a post-accumulate hook.
+  ``overlap='auto'`` (the default) overlaps only when the parameters span more than one bucket.
+
+The hooks act only while the buckets are *armed*, within a training step, so a backward outside a Trial's
+training step never starts a collective. The first hook of a pass decides whether it synchronizes (every
+``sync_every``-th armed pass) and queues its end, which reduces the buckets.
 Buckets start strictly in index order on every rank. Each bucket carries one presence flag per
 parameter: a gradient that is None on this rank is zero-filled, and a parameter that no rank used
 keeps ``grad = None``. The last bucket carries a stop flag, so a stop requested on any rank reaches
@@ -23,9 +33,8 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
-from torchbearer_dist.sync._backward_hooks import BackwardHooks
+from torchbearer_dist.sync._autograd import queue_at_backward_end
 from torchbearer_dist.sync.flat_buckets import (
     BUCKET_CAP_MB,
     FIRST_BUCKET_MB,
@@ -34,13 +43,24 @@ from torchbearer_dist.sync.flat_buckets import (
     pack,
     ready_order,
 )
+from torchbearer_dist.sync.group import AVG, SUM, WORLD, DistGroup
 from torchbearer_dist.sync.powersgd import PowerSGD
 
 _COMPRESSION = {None: None, 'none': None, 'fp16': torch.float16, 'bf16': torch.bfloat16, 'powersgd': None}
 
 
-class GradientBuckets(BackwardHooks):
-    """Flat gradient buckets for a list of parameters, averaged over ranks before backward returns.
+def _output_tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _output_tensors(item)]
+    return []
+
+
+class GradientBuckets:
+    """Flat gradient buckets for a list of parameters, averaged over a group before backward returns.
 
     Example:
 
@@ -68,28 +88,44 @@ class GradientBuckets(BackwardHooks):
         average (bool): ``True`` averages the gradients over ranks (a loss that is a mean over the
             batch); ``False`` sums them (a loss summed over the batch, ``reduction='sum'``): either
             way the result is the gradient of one process at N x B
+        group (DistGroup or QuorumGroup): whom gradients are averaged over (:mod:`torchbearer_dist.sync.group`):
+            the default process group (:data:`~torchbearer_dist.sync.group.WORLD`) unless given, or a torchft
+            quorum's live replicas, whose count may change at every step (the average divides by the count of
+            the step)
+        reorder (bool): from the second synchronized step on, pack the buckets in the gradient-ready order rank 0
+            measured in the first (one broadcast then); False keeps the reverse registration order (a group whose
+            members may join between steps, where that broadcast would not match)
+        check_finite (bool): after each average, check that it is finite (:attr:`nonfinite`, every gradient then
+            None on every rank); False: a non-finite average is left as it is
 
     Raises:
-        ValueError: a bad capacity, compression or overlap
+        ValueError: a bad capacity, compression or overlap; PowerSGD over a group that is no process group
 
     .. warning:: Every armed backward that synchronizes is a synchronization point.
     """
 
     def __init__(self, params, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=FIRST_BUCKET_MB, compression=None,
-                 overlap='auto', sync_every=1, powersgd=None, average=True):
+                 overlap='auto', sync_every=1, powersgd=None, average=True, group=None, reorder=True,
+                 check_finite=True):
         check_options(bucket_cap_mb, compression, overlap)
+        self.group = WORLD if group is None else group
+        if compression == 'powersgd' and not isinstance(self.group, DistGroup):
+            raise ValueError("compression='powersgd' needs a torch.distributed process group, but given {!r}; use "
+                             "compression=None or a DistGroup".format(self.group))
         self.compression = _COMPRESSION[compression]
-        self.world_size = dist.get_world_size()
         self.average = bool(average)
-        self._divisor = self.world_size if self.average else 1
         self.params = list(params)
         check_supported(('#{}'.format(i), p) for i, p in enumerate(self.params))
         # PowerSGD replaces the buckets: it averages every .grad itself at the end of backward.
-        self.powersgd = PowerSGD(self.params, **(powersgd or {})) if compression == 'powersgd' else None
+        self.powersgd = None
+        if compression == 'powersgd':
+            self.powersgd = PowerSGD(self.params, **dict({'group': self.group.process_group}, **(powersgd or {})))
         self._caps = (bucket_cap_mb, first_bucket_mb)
         self.buckets = [] if self.powersgd else pack(list(reversed(self.params)), bucket_cap_mb, first_bucket_mb)
         self.overlap = len(self.buckets) > 1 if overlap == 'auto' else bool(overlap and not self.powersgd)
-        self._ready = [] if self.overlap else None  # first synchronized step: parameters in gradient-ready order
+        # first synchronized step: parameters in gradient-ready order
+        self._ready = [] if self.overlap and reorder else None
+        self.check_finite = check_finite
         self.sync_every = sync_every
         self._hooks, self._next, self._stop, self._repack = [], 0, 0.0, None
         self._armed = self._in_backward = self._syncing = self._unfinished = False
@@ -101,6 +137,11 @@ class GradientBuckets(BackwardHooks):
         # What the communication cost, totals since construction (see traffic()); perf_counter around waits only.
         self.bytes_sent, self.wait_seconds, self.comm_seconds = 0, 0.0, 0.0
         self._sent_at = self._waited_at = None
+
+    @property
+    def world_size(self):
+        """The group's size now: the number the average divides by at this step."""
+        return self.group.size()
 
     def same_params(self, params):
         """Whether ``params`` are exactly these parameters, compared by identity, in the same order."""
@@ -141,33 +182,26 @@ class GradientBuckets(BackwardHooks):
             bucket.flags.fill_(1)
         if bucket.last:
             bucket.flat[-1] = self._stop
-        if self.compression is None:
-            bucket.wire = bucket.flat
-        else:
-            if self._divisor != 1:
-                bucket.grads.div_(self._divisor)
-            bucket.wire = bucket.flat.to(self.compression)
+        if self.compression is None:  # the group divides the sum (flags and slots too: only whether > 0 is read)
+            bucket.wire, op = bucket.flat, AVG if self.average else SUM
+        else:  # divided before it travels, so that the narrow dtype's sum cannot overflow
+            if self.average:
+                bucket.grads.div_(self.group.size())
+            bucket.wire, op = bucket.flat.to(self.compression), SUM
         bucket.sent = self._unfinished = True
         if self._sent_at is None:
             self._sent_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.wire, async_op=True)
+        bucket.work = self.group.all_reduce(bucket.wire, op)
         self.bytes_sent += bucket.wire.numel() * bucket.wire.element_size()
 
     def _wait(self, bucket):
         """Wait for one bucket's all-reduce and leave the average in ``bucket.flat``."""
         begin = time.perf_counter()
-        try:
-            bucket.work.wait()
-        except RuntimeError as error:  # gloo's plain RuntimeError: said to be a collective's by its type
-            if isinstance(error, dist.DistError):
-                raise
-            raise dist.DistBackendError(str(error)) from error
+        bucket.work.wait()  # a process group's failure raises; a torchft quorum's is torchft's to report
         self._waited_at = time.perf_counter()
         self.wait_seconds += self._waited_at - begin
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
-        elif self._divisor != 1:
-            bucket.grads.div_(self._divisor)
 
     def reduce(self):
         """Send what backward left unsent, wait for every bucket and average: the one place buckets are reduced.
@@ -183,7 +217,7 @@ class GradientBuckets(BackwardHooks):
         if self.powersgd is not None and not self.average:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(self.world_size)
+                    p.grad.mul_(self.group.size())
         buckets = self.buckets
         for bucket in buckets[self._next:]:
             self._start(bucket, bucket.fill())
@@ -201,8 +235,8 @@ class GradientBuckets(BackwardHooks):
         self._stop = 0.0
         self._unfinished = False
         if self._ready is not None:  # from the next step on, pack in rank 0's gradient-ready order, as DDP does
-            self._repack, self._ready = ready_order(self.params, self._ready, self.buckets), None
-        nonfinite = not self.all_finite()
+            self._repack, self._ready = ready_order(self.params, self._ready, self.buckets, self.group), None
+        nonfinite = self.check_finite and not self.all_finite()
         self.nonfinite = self.nonfinite or nonfinite
         if nonfinite:
             for p in self.params:
@@ -236,3 +270,110 @@ class GradientBuckets(BackwardHooks):
                 return False
         return True
 
+    # --- noticing backward passes: the hooks, a pass's start and its end ---------------------------------
+
+    def attach(self, module=None):
+        """Register the hooks that notice backward: per parameter with overlap, else on the modules' outputs.
+
+        Args:
+            module (torch.nn.Module or list): the module, or modules, whose outputs backward passes
+                start from (a GAN's generator and discriminator); a parameter outside them gets a
+                hook of its own, so every backward that reaches a parameter is noticed
+        """
+        if self._hooks:
+            return
+        if self.overlap:
+            for bucket in self.buckets:
+                for position, p in enumerate(bucket.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._overlap_hook(bucket, position)))
+            return
+        modules = [] if module is None else [module] if isinstance(module, torch.nn.Module) else list(module)
+        inside = {id(p) for m in modules for p in m.parameters()}
+        for m in modules:
+            self._hooks.append(m.register_forward_hook(self._on_forward))
+        for p in self.params:
+            if id(p) not in inside:  # reached without the model's output, e.g. a learnable loss term
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._notice))
+
+    def detach(self):
+        """Remove every hook; backward passes then stay local."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.disarm()
+
+    def _on_forward(self, module, inputs, output):
+        if self._armed and torch.is_grad_enabled():
+            for tensor in _output_tensors(output):
+                tensor.register_hook(self._notice)
+
+    def _notice(self, *_):
+        if self._armed and not self._in_backward:
+            self._begin()
+
+    def _begin(self):
+        """The first hook of a backward pass: decide whether it synchronizes, queue its end."""
+        self._in_backward = True
+        self.began += 1
+        self.backwards += 1
+        # A second backward in the step (a GAN's discriminator pass) synchronizes again: the gradients
+        # averaged before are equal on every rank, so averaging them again leaves them as they are.
+        self._syncing = self.backwards % self.sync_every == 0
+        end = self._end_sync if self._syncing else self._end_local
+        if not queue_at_backward_end(end):
+            self._pending_end = end  # run by end_backward(), from the Trial's on_backward
+
+    def end_backward(self):
+        """End a backward pass whose end torch could not queue (see :mod:`~torchbearer_dist.sync._autograd`).
+
+        Does nothing when the pass already ended, as it does whenever torch queues the end itself.
+        """
+        end, self._pending_end = self._pending_end, None
+        if end is not None:
+            end()
+
+    def _end_local(self):
+        self._in_backward = False
+
+    def _end_sync(self):
+        self._in_backward = False
+        self.synced = True
+        self.reduce()
+
+    def _overlap_hook(self, bucket, position):
+        view = bucket.views[position]
+
+        def on_grad(param):
+            if not self._in_backward:
+                if not self._armed:
+                    return
+                self._begin()
+            if not self._syncing:
+                return
+            if bucket.sent:
+                raise RuntimeError('a gradient was produced again after its bucket was sent in this backward pass')
+            grad = param.grad
+            if grad is not view:
+                if grad.is_sparse:
+                    bucket.put(position, grad)
+                else:
+                    view.copy_(grad)
+                    param.grad = view
+            if not bucket.present[position]:
+                if self._ready is not None:
+                    self._ready.append(param)
+                bucket.present[position] = True
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._start_ready()
+        return on_grad
+
+    def _start_ready(self):
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self._start(buckets[self._next])
+            self._next += 1
+
+    def missed(self):
+        """Whether this step computed gradients that no hook noticed, so they were never averaged."""
+        return self._armed and not self.began and any(p.grad is not None for p in self.params)

@@ -8,7 +8,8 @@ parameter, plus, in the last bucket, a signal slot (:attr:`FlatBucket.signal`, s
 the gradients: how many ranks saw their trainable set change) and the stop flag.
 """
 import torch
-import torch.distributed as dist
+
+from torchbearer_dist.sync.group import WORLD
 
 #: A bucket's capacity in MiB by default, and the first bucket's: small, so that sending starts early.
 BUCKET_CAP_MB, FIRST_BUCKET_MB = 25.0, 1.0
@@ -156,13 +157,14 @@ def pack(params, cap_mb, first_mb):
     return [FlatBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
 
 
-def ready_order(params, ready, buckets):
+def ready_order(params, ready, buckets, group=WORLD):
     """Rank 0's gradient-ready order of ``params``, shared by one broadcast; None if the buckets follow it already.
 
     Args:
         params (list): every parameter, in registration order
         ready (list): the parameters in the order their gradients arrived in a step on this rank
         buckets (list of FlatBucket): the current buckets, in sending order
+        group (DistGroup): whose first rank's order every rank takes
 
     Returns:
         list: the parameters in rank 0's order (those that never arrived last, in reverse registration
@@ -175,7 +177,7 @@ def ready_order(params, ready, buckets):
     arrived = set(seen)
     unseen = [i for i in reversed(range(len(params))) if i not in arrived]
     order = torch.tensor(seen + unseen, dtype=torch.int64, device=buckets[0].flat.device)
-    dist.broadcast(order, 0)
+    group.broadcast(order).wait()
     order = order.tolist()
     if order == [index[id(p)] for bucket in buckets for p in bucket.params]:
         return None
