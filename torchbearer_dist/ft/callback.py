@@ -18,9 +18,9 @@ from torchbearer_dist.ft import _events, _heal, _signals, _torchft, _vote
 from torchbearer_dist.ft._pause import PauseClock
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
 from torchbearer_dist.sync import collectives, meeting
-from torchbearer_dist.sync._autograd import queue_at_backward_end
+from torchbearer_dist.sync.buckets import GradientBuckets
 from torchbearer_dist.sync.fingerprint import fingerprint
-from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, pack
+from torchbearer_dist.sync.group import QuorumGroup
 
 #: Quorums in a row a replica takes while the vote refuses a replica of each (a refused one leaves at once).
 VOTES = 4
@@ -96,7 +96,7 @@ class FaultTolerantAllReduce(Callback):
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
-        self.replica, self._hooks, self._signals = None, [], None
+        self.replica, self._signals = None, None
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
         self.restarts = 0  # runs this replica ended and began again at its healer's position (a heal mid-run)
@@ -107,10 +107,10 @@ class FaultTolerantAllReduce(Callback):
 
     def _reset(self):
         self._state = self._pending = None
-        self._open = self._in_step = self._averaged = self._queued = self._meets = self._passing = False
+        self._open = self._in_step = self._meets = self._passing = False
         self._joining = False  # in the quorum of a pass's start (see meet)
-        self._commit, self._params, self._gated, self._samples = None, [], [], {'train': 0, 'val': 0}
-        self._buckets, self._slots, self._next = [], {}, 0  # the gradient buckets, each parameter's, the next to send
+        self._commit, self._gated, self._samples = None, [], {'train': 0, 'val': 0}
+        self._buckets = None  # the gradient buckets (GradientBuckets over the live replicas), with every_step
 
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
 
@@ -206,13 +206,16 @@ class FaultTolerantAllReduce(Callback):
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
         self._samples, self._passing = {'train': 0, 'val': 0}, True
         params = [p for _, p in trainable(state)]
-        if self.every_step and [id(p) for p in params] != [id(p) for p in self._params]:
-            self._buckets = pack(params[::-1], BUCKET_CAP_MB, FIRST_BUCKET_MB)  # in reverse registration order
-            self._slots = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._params = params
-        for handle in self._hooks:  # the last epoch's: the trainable set may have changed since
-            handle.remove()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        if self.every_step and (self._buckets is None or not self._buckets.same_params(params)):
+            if self._buckets is not None:  # the last epoch's: the trainable set changed since
+                self._buckets.detach()
+            # The fail-fast mode's engine over the quorum: each bucket sent as backward fills it, the average (over
+            # the replicas live at the step) complete before backward() returns. Buckets stay in reverse
+            # registration order (no reordering broadcast, which a replica joining later would not match), and
+            # a non-finite average goes to the gate as it is.
+            self._buckets = GradientBuckets(params, overlap=True, average=not self._summed,
+                                            group=QuorumGroup(self.replica.manager), reorder=False, check_finite=False)
+            self._buckets.attach()
 
     def on_sample(self, state):
         if self.replica is None:
@@ -220,9 +223,8 @@ class FaultTolerantAllReduce(Callback):
         self._samples['train'] += batch_size(state) or 0
         if not self.every_step:
             return
-        self._commit, self._averaged, self._queued, self._in_step, self._next = None, False, False, True, 0
-        for bucket in self._buckets:
-            bucket.reset()
+        self._commit, self._in_step = None, True
+        self._buckets.arm()  # this step's backward passes average over its quorum
         if self._open:
             self._open = False
         else:  # the epoch's last step takes no new replica: healed there, it would have no batch left to go on from
@@ -231,45 +233,16 @@ class FaultTolerantAllReduce(Callback):
     def on_sample_validation(self, state):
         self._samples['val'] += batch_size(state) or 0
 
-    def _on_grad(self, param):
-        """A gradient is in: into its bucket; send each complete bucket whose predecessors were sent (the same
-        order on every replica, whatever order gradients arrive in), as the fail-fast mode does."""
-        if not self._in_step or self._averaged:
-            return
-        if not self._queued:
-            self._queued = queue_at_backward_end(self._average)  # runs when this backward pass ends
-        bucket, position = self._slots[id(param)]
-        if not bucket.present[position]:
-            bucket.put(position, param.grad)
-            bucket.present[position] = True
-            bucket.pending -= 1
-            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-                self._send(self._buckets[self._next])
-
     def on_backward(self, state):
-        if self._in_step and not self._averaged:
-            self._average()
+        if self._in_step:
+            self._buckets.complete()  # where torch could not queue the end of backward, or no backward synchronized
 
     def on_step_training(self, state):
         self._in_step = False
+        if self._buckets is not None:
+            self._buckets.disarm()
         if self._restart is not None:  # healed mid-run: end this run, begin again at the healer's position (on_end)
             state[torchbearer.STOP_TRAINING] = True
-
-    def _send(self, bucket):
-        op = torch.distributed.ReduceOp.SUM if self._summed else torch.distributed.ReduceOp.AVG
-        bucket.work = self.replica.manager.allreduce(bucket.flat, reduce_op=op)  # in place, on torchft's gloo group
-        self._next += 1
-
-    def _average(self):
-        """Send the buckets backward left (a missing gradient counts as zeros), wait for every one: each ``.grad``
-        is then its bucket's view of the average over the quorum."""
-        self._averaged = True
-        for bucket in self._buckets[self._next:]:
-            bucket.fill()
-            self._send(bucket)
-        for bucket in self._buckets:
-            bucket.work.wait()  # an error is torchft's to report: the step is then not committed
-            bucket.unpack()
 
     def meet(self, engine, trained, quorum=True, join=False):
         """DiLoCo's meeting through torchft (:func:`~torchbearer_dist.sync.meeting.meet`); True if committed.
@@ -314,8 +287,7 @@ class FaultTolerantAllReduce(Callback):
             def step(closure=None, _original=original):
                 loss = closure() if closure is not None else None
                 if self._commit is None:
-                    if not self._averaged:
-                        self._average()
+                    self._buckets.complete()
                     self._commit = self.replica.manager.should_commit()
                     if not self._commit:
                         self._dropped('step')
@@ -457,9 +429,8 @@ class FaultTolerantAllReduce(Callback):
             self._release()
 
     def _release(self):
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        if self._buckets is not None:
+            self._buckets.detach()
         for optimizer in self._gated:
             optimizer.__dict__.pop('step', None)
         self._gated = []

@@ -332,6 +332,18 @@ class GradientBuckets:
         if end is not None:
             end()
 
+    def complete(self):
+        """Make sure this step's gradients are averaged: end a pass whose end torch could not queue, or, where no
+        backward of the step synchronized (none reached a parameter on this rank), reduce every bucket now,
+        zero-filled, so that this rank issues the same collectives as the others.
+
+        .. warning:: A synchronization point when it reduces.
+        """
+        self.end_backward()
+        if not self.synced:
+            self.synced = True
+            self.reduce()
+
     def _end_local(self):
         self._in_backward = False
 
