@@ -117,6 +117,21 @@ def exit_in_meeting(k):
     meeting.meet = meet
 
 
+
+def ready_at_the_first_quorum():
+    """Print ``READY`` as this process asks the lighthouse for its first quorum (its Manager up, a late replica's
+    request about to wait there), not before its (slow under load) start-up: a test that releases the others on
+    ``READY`` then has this replica in their next quorum."""
+    from torchbearer_dist.ft.replica import Replica
+    original = Replica.start_quorum
+
+    def start_quorum(self, *args, **kwargs):
+        if not getattr(self, 'asked', False):
+            self.asked = True
+            print('READY', flush=True)
+        return original(self, *args, **kwargs)
+    Replica.start_quorum = start_quorum
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--lighthouse', type=str, required=True)
@@ -164,7 +179,7 @@ def main():
     trial.with_generators(loader)
     if args.resume:
         tbd.load_checkpoint(args.resume, trial=trial)
-    print('READY', flush=True)
+    ready_at_the_first_quorum()
     history = trial.run(args.epochs, verbose=0)
     if args.then_epochs:
         history = trial.run(args.then_epochs, verbose=0)

@@ -128,3 +128,34 @@ def kill_one_and_heal(replicas, lost_bound, *extra):
     # The restarted one took up the survivors' position: it trained fewer steps than a whole run (120).
     assert replicas.steps(restarted) < 120 - 20
     return stall
+
+
+def late_joiner(tmp_path, local_steps, gate_step, first=(), late=()):
+    """DiLoCo's late start: replica 0 trains 3 epochs of 6 steps with ``local_steps``, holding at its ``gate_step``-th
+    step until replica 1, started then, asks for its first quorum; both end with status 0, replica 1 healed once,
+    with replica 0's weights and last metrics. ``first``, ``late``: more options of each.
+
+    Returns:
+        tuple: the :class:`Replicas` (ended), and replica 1's index in it
+    """
+    from torchbearer_dist.ft import Lighthouse
+    args = ('--replicas', '2', '--samples', '120', '--epochs', '3', '--local-steps', str(local_steps),
+            '--sleep', '0.05')
+    gate = str(tmp_path / 'gate')
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as server:
+        replicas = Replicas(tmp_path, server.address)
+        try:
+            started = replicas.start(0, *args, '--gate', gate, '--gate-step', str(gate_step), *first)
+            replicas.wait_for(lambda: replicas.steps(started) >= gate_step, STARTUP + 60)
+            joiner = replicas.start(1, *args, *late)
+            replicas.wait_for(lambda: 'READY' in replicas.out(joiner), STARTUP + 60)
+            open(gate, 'w').close()
+            replicas.wait_for(lambda: replicas.done(started) and replicas.done(joiner), STARTUP + 60)
+            assert [replicas.process(i).wait(30) for i in (started, joiner)] == [0, 0], replicas.describe()
+        finally:
+            replicas.kill_all()
+    assert int(replicas.done(joiner)[1]) == 1, replicas.describe()  # healed once
+    assert replicas.steps(started) == 18, replicas.describe()
+    assert replicas.done(started)[0] == replicas.done(joiner)[0], replicas.describe()  # the same weights, bit for bit
+    assert replicas.done(started)[3] == replicas.done(joiner)[3], replicas.describe()  # the same last metrics
+    return replicas, joiner

@@ -23,7 +23,7 @@ from _dist import STARTUP, run_workers
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
 from _replica import ClipGradients, Record, dataset, model  # noqa: E402
-from _replicas import Replicas, train_together  # noqa: E402
+from _replicas import Replicas, late_joiner, train_together  # noqa: E402
 
 from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
 
@@ -112,26 +112,13 @@ def test_a_replica_paused_past_the_heartbeat_heals_mid_run_and_ends_with_the_hea
 
 
 @pytest.mark.timeout(150)
-def test_a_replica_started_late_heals_at_a_meeting_and_ends_with_the_same_buffers(tmp_path):
+def test_a_replica_started_late_heals_at_a_pass_start_and_ends_with_the_same_buffers(tmp_path):
     # 6 steps an epoch, H = 4 (as test_fault_tolerant_diloco's late start): replica 1 starts while replica 0 waits
-    # at its 8th step, heals at the meeting after step 16 and trains epoch 2's last two batches beside it.
+    # at its 8th step, heals at the start of epoch 2 (a round begins there) and trains its six batches beside it.
     paths = [tmp_path / 'r{}.pt'.format(r) for r in range(2)]
-    args = ('--replicas', '2', '--samples', '120', '--epochs', '3', '--local-steps', '4', '--sleep', '0.05',
-            '--batchnorm')
-    gate = str(tmp_path / 'gate')
-    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        replicas = Replicas(tmp_path, server.address)
-        try:
-            first = replicas.start(0, *args, '--gate', gate, '--gate-step', '8', '--record', str(paths[0]))
-            replicas.wait_for(lambda: replicas.steps(first) >= 8, STARTUP + 60)
-            late = replicas.start(1, *args, '--record', str(paths[1]))
-            replicas.wait_for(lambda: 'READY' in replicas.out(late), STARTUP + 60)
-            open(gate, 'w').close()
-            replicas.wait_for(lambda: replicas.done(first) and replicas.done(late), STARTUP + 60)
-            assert replicas.process(first).wait(30) == 0 and replicas.process(late).wait(30) == 0, replicas.describe()
-        finally:
-            replicas.kill_all()
-    assert int(replicas.done(late)[1]) == 1 and replicas.steps(late) == 2, replicas.describe()
+    replicas, late = late_joiner(tmp_path, 4, 8, first=('--batchnorm', '--record', str(paths[0])),
+                                 late=('--batchnorm', '--record', str(paths[1])))
+    assert replicas.steps(late) == 6, replicas.describe()
     seen = [torch.load(p, weights_only=False) for p in paths]
     _assert_same(seen[0]['final'], seen[1]['final'], PARAMS + BUFFERS)
     for s in seen:

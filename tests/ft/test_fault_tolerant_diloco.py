@@ -15,7 +15,7 @@ from _dist import LOAD_SLACK, STARTUP, run_workers
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
 from _replica import ClipGradients, Record, dataset, model  # noqa: E402
-from _replicas import Replicas, kill_one_and_heal, train_together  # noqa: E402
+from _replicas import Replicas, kill_one_and_heal, late_joiner, train_together  # noqa: E402
 
 from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
 
@@ -73,37 +73,12 @@ def test_kill_one_of_three_between_meetings_the_others_go_on_and_the_restarted_o
     print('survivors went on {:.1f} s after the kill'.format(stall))
 
 
-def _late_joiner(tmp_path, local_steps, gate_step):
-    """Replica 0 trains 3 epochs of 6 steps with DiLoCo's ``local_steps``, holding at its ``gate_step``-th step until
-    replica 1 (started then) is up; returns the two replicas, both ended with status 0."""
-    args = ('--replicas', '2', '--samples', '120', '--epochs', '3', '--local-steps', str(local_steps),
-            '--sleep', '0.05')
-    gate = str(tmp_path / 'gate')
-    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        replicas = Replicas(tmp_path, server.address)
-        try:
-            first = replicas.start(0, *args, '--gate', gate, '--gate-step', str(gate_step))
-            replicas.wait_for(lambda: replicas.steps(first) >= gate_step, STARTUP + 60)
-            late = replicas.start(1, *args)
-            replicas.wait_for(lambda: 'READY' in replicas.out(late), STARTUP + 60)
-            open(gate, 'w').close()
-            replicas.wait_for(lambda: replicas.done(first) and replicas.done(late), STARTUP + 60)
-            assert replicas.process(first).wait(30) == 0 and replicas.process(late).wait(30) == 0, replicas.describe()
-        finally:
-            replicas.kill_all()
-    assert int(replicas.done(late)[1]) == 1, replicas.describe()  # healed once
-    assert replicas.steps(first) == 18, replicas.describe()
-    assert replicas.done(first)[0] == replicas.done(late)[0], replicas.describe()  # the same weights, bit for bit
-    assert replicas.done(first)[3] == replicas.done(late)[3], replicas.describe()  # the same last metrics
-    return replicas, late
-
-
 @pytest.mark.timeout(150)
 def test_a_replica_that_starts_before_a_meeting_that_ends_an_epoch_joins_at_the_next_epochs_start(tmp_path):
     # 6 steps an epoch, H = 4: meetings after global steps 4, 8, 12 (epoch 1's last), 16 and at the run's end (18).
     # Replica 1 starts while replica 0 waits at its 8th step; the meeting at 12 ends an epoch (one healed there
     # would start an epoch with no batch left), and a round begins with epoch 2: it joins there, at its first batch.
-    replicas, late = _late_joiner(tmp_path, 4, 8)
+    replicas, late = late_joiner(tmp_path, 4, 8)
     assert replicas.out(late).split()[1:4] == ['STEP', '2', '0'], replicas.describe()
     assert replicas.steps(late) == 6, replicas.describe()
 
@@ -113,7 +88,7 @@ def test_a_replica_waiting_while_every_meeting_ends_an_epoch_joins_at_the_next_e
     # H = 6, an epoch's steps: every meeting ends an epoch, where no replica joins. Replica 1 starts while replica 0
     # waits at its 2nd step; it used to wait until replica 0's run ended, then train its own model alone (exit 0).
     # It joins at the start of the next epoch its quorum finds (1, or 2 where it was slow to ask), where a round begins.
-    replicas, late = _late_joiner(tmp_path, 6, 2)
+    replicas, late = late_joiner(tmp_path, 6, 2)
     _, epoch, batch = replicas.out(late).split()[1:4]
     assert int(epoch) in (1, 2) and batch == '0', replicas.describe()
     assert replicas.steps(late) == 6 * (3 - int(epoch)), replicas.describe()
