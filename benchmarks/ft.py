@@ -308,6 +308,16 @@ class _Loopback:
     hosts = None
 
 
+def _serving(path):
+    """How many times the lighthouse log at ``path`` says a lighthouse listens (``python -m torchbearer_dist.ft``
+    writes its first line once it does)."""
+    try:
+        with open(path) as f:
+            return f.read().count('lighthouse at ')
+    except FileNotFoundError:
+        return 0
+
+
 class _Namespaces:
     """Replica i on network-namespace host i, each host's sending side shaped to ``link`` (a tc rate, or None:
     unshaped); the lighthouse on host 0 (benchmarks/netns.py)."""
@@ -328,17 +338,23 @@ class _Namespaces:
         return self
 
     def _serve(self, mode):
-        with open(os.path.join(OUT, 'lighthouse.log'), mode) as log:
+        """Start the lighthouse; return once it listens (its first line, written then), up to a minute."""
+        path = os.path.join(OUT, 'lighthouse.log')
+        started = _serving(path) if mode == 'a' else 0
+        with open(path, mode) as log:
             self.server = subprocess.Popen(self.hosts.command(0, [
                 sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2',
                 '--min-replicas', str(self.min_replicas)]),
                 env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True, stdout=log,
                 stderr=subprocess.STDOUT)
-        time.sleep(3)
+        end = time.monotonic() + 60
+        while _serving(path) == started and self.server.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
 
     def restart_lighthouse(self, down):
         """Kill the lighthouse process, and start it again on the same address ``down`` seconds later (plus its
-        start, about 3 s: keep the replicas' timeout above both)."""
+        start, which this waits for: a restart drawn next never kills one that has not listened yet; keep the
+        replicas' timeout above both)."""
         os.killpg(self.server.pid, signal.SIGKILL)
         self.server.wait()
         time.sleep(down)
