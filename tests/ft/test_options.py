@@ -61,7 +61,7 @@ def test_without_torchft_the_mode_says_how_to_install_it():
             "trial = torchbearer.Trial(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), 0.1),"
             " callbacks=tbd.distributed_callbacks(fault_tolerant='127.0.0.1:1'))\n"
             "trial.for_train_steps(1).run(1)\n")
-    result = subprocess.run(python('-c', code), capture_output=True, text=True, timeout=STARTUP, env=child_env())
+    result = subprocess.run(python('-c', code), capture_output=True, text=True, timeout=2 * STARTUP, env=child_env())
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "RuntimeError: the fault-tolerant mode needs torchft, which is not importable (import of torchft halted; None "

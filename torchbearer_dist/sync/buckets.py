@@ -182,9 +182,12 @@ class GradientBuckets:
             bucket.flags.fill_(1)
         if bucket.last:
             bucket.flat[-1] = self._stop
-        if self.compression is None:  # the group divides the sum (flags and slots too: only whether > 0 is read)
+        # Uncompressed, the group averages (the flags and the stop slot too: only whether
+        # they are > 0 is read); compressed, the values are divided before they travel,
+        # so that the narrow dtype's sum cannot overflow.
+        if self.compression is None:
             bucket.wire, op = bucket.flat, AVG if self.average else SUM
-        else:  # divided before it travels, so that the narrow dtype's sum cannot overflow
+        else:
             if self.average:
                 bucket.grads.div_(self.group.size())
             bucket.wire, op = bucket.flat.to(self.compression), SUM
