@@ -152,6 +152,12 @@ def _read(path):
     return data if data is not None else buffer.cpu().numpy().tobytes()
 
 
+def _keepers(callbacks):
+    """The Trial's :class:`~torchbearer_dist.Checkpoint` callbacks, known by what they take (the callback module
+    imports this one): a checkpoint loaded before ``run()`` waits in them until the run's first epoch."""
+    return [c for c in (callbacks or ()) if hasattr(c, 'pending_schedulers') and hasattr(c, 'pending_position')]
+
+
 def _restore_callbacks(trial, entries, position=None, rng=None):
     callbacks = list(trial.state[torchbearer.CALLBACK_LIST])
     names = [_name(c) for c in callbacks]
@@ -166,8 +172,7 @@ def _restore_callbacks(trial, entries, position=None, rng=None):
             callback.load_state_dict(entry['state'])
         if entry['scheduler'] is not None:
             schedulers[i] = entry['scheduler']
-    # the Trial's Checkpoint callbacks, known by what they take (the callback module imports this one)
-    keepers = [c for c in callbacks if hasattr(c, 'pending_schedulers') and hasattr(c, 'pending_position')]
+    keepers = _keepers(callbacks)
     for keeper in keepers:
         keeper.pending_schedulers = schedulers
         keeper.pending_position = (position, rng) if position is not None else None

@@ -82,14 +82,8 @@ def capture(state, position, sender):
         'config': dict(sender),
         'optimizer_layout': [_optimizer_layout(opt) for opt in optimizers(state)],
         'resume': [{'position': keeper.pending_position, 'rng': keeper.pending_rng,
-                    'schedulers': keeper.pending_schedulers} for keeper in _keepers(callbacks)],
+                    'schedulers': keeper.pending_schedulers} for keeper in files._keepers(callbacks)],
     }
-
-
-def _keepers(callbacks):
-    """The Trial's :class:`~torchbearer_dist.Checkpoint` callbacks, known by what they take (as ``files`` finds
-    them): a checkpoint loaded before ``run()`` waits in them until the run's first epoch."""
-    return [c for c in (callbacks or ()) if hasattr(c, 'pending_schedulers') and hasattr(c, 'pending_position')]
 
 
 def _optimizer_layout(optimizer):
@@ -143,7 +137,7 @@ def restore(state, payload, source, mine):
         files._restore_callbacks(trial, payload['callbacks'])
     # A checkpoint the healer loaded and has yet to resume (replicas started again from one checkpoint heal from
     # the first at their first quorum): this replica resumes it as the healer does, at the same batch.
-    for keeper, pending in zip(_keepers(state.get(torchbearer.CALLBACK_LIST)), payload.get('resume', ())):
+    for keeper, pending in zip(files._keepers(state.get(torchbearer.CALLBACK_LIST)), payload.get('resume', ())):
         keeper.pending_position, keeper.pending_rng = pending['position'], pending['rng']
         if pending['schedulers']:
             keeper.pending_schedulers = pending['schedulers']
