@@ -112,6 +112,17 @@ def test_a_pause_of_this_rank_just_ended_names_it_on_a_collective_error_in_the_b
     assert decide(_facts(JOIN, frozen=frozen), TIMING).read is not None
 
 
+def test_a_published_guess_that_this_rank_was_lost_read_right_after_its_own_pause_is_that_pause():
+    # CI, issue 42's stop: rank 1, stopped past the limit, read rank 0's "no heartbeat from rank 1" before the
+    # store went, and said that instead of its own pause
+    frozen, lost = _diagnosis.frozen(1, 25.0, LIMIT), _diagnosis.no_heartbeat(1, LIMIT)
+    assert decide(_facts(HEARTBEAT, None, gathered=True, published=lost, frozen=frozen), TIMING) == Decision(
+        frozen, wake=True)
+    assert decide(_facts(HEARTBEAT, None, gathered=True, published=lost), TIMING).cause == lost  # not paused
+    for other in (SILENT, BAD, _diagnosis.own_cause(1, ValueError('bad batch'))):  # another rank; its own words
+        assert decide(_facts(HEARTBEAT, None, gathered=True, published=other, frozen=frozen), TIMING).cause == other
+
+
 def test_a_collective_error_asks_the_store_first_briefly_after_a_timeout():
     ask = decide(_facts(RUN), TIMING)
     assert (ask.read, ask.deaths) == (Timing.CAUSE_WAIT, True)

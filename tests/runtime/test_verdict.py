@@ -684,6 +684,7 @@ def test_every_failure_is_named_within_its_bound_by_every_other_rank(job):
         assert bad.verdict is not None, job
         t, verdict = bad.verdict
         assert j.named(bad) == culprit and verdict.kind in (FROZEN, PUBLISHED), (job, bad.verdict)
+        assert 'rank {} did not run for'.format(culprit) in str(bad.raised[1]), (job, bad.verdict, bad.raised)
         # at the latest when its peers' silence, which it cannot tell from its own pause, is read
         assert at + pause <= t <= at + pause + limit + 2 * j.period(bad) + calls + j.wake(bad), (job, bad.verdict)
 

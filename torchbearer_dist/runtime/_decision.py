@@ -114,7 +114,8 @@ def decide(facts, timing):
     if f.phase == HEARTBEAT:  # a cause found is published where the store answers; else another rank's is read
         if f.heartbeat is None and not f.gathered:
             return Decision(read=0.0, deaths=False)
-        return Decision(f.heartbeat or f.published, publish=f.heartbeat is not None and f.store_answers, wake=True)
+        return Decision(f.heartbeat or _unless_own_pause(f.published, f.frozen, rank),
+                        publish=f.heartbeat is not None and f.store_answers, wake=True)
     if f.phase == INTERRUPT:  # this rank's own cause: its peers read it, and its own collective fails now
         return Decision(causes.interrupted(rank), publish=f.env.world_size > 1, wake=f.env.world_size > 1)
     if f.env.world_size == 1 or f.error == PREEMPTED:  # a pre-emption is an agreed end at one step, not a fault
@@ -146,6 +147,15 @@ def decide(facts, timing):
     # no rank neither: rank 0, which reads every rank's beat, may name the rank (see _explain)
     published = rank == 0 or cause.rank > 0 or cause.kind == causes.LOCAL
     return Decision(cause, own=own, publish=published, readers=rank == 0, skip=cause.rank, stop_peers=True)
+
+
+def _unless_own_pause(published, frozen, rank):
+    """The cause to report for a ``published`` one: the peers' guess that this ``rank`` was lost (a silence or a
+    timeout naming it) is, where this rank has just been paused past the limit (``frozen``), that pause, which
+    the peers could not tell from a lost host; anything else published stands (a peer's own error, say)."""
+    if frozen is not None and published is not None and published.rank == rank and causes.is_guess(published):
+        return frozen
+    return published
 
 
 def _guess_wait(f, cause, timing):

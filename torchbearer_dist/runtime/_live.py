@@ -65,7 +65,9 @@ class LiveGroup:
 
     def _on_watchdog(self, client, cause, store_answers):
         """From the heartbeat's thread: act on what it found (see :func:`decide`), then wake the main thread."""
-        facts = Facts(self.env, HEARTBEAT, heartbeat=cause, store_answers=store_answers)
+        watchdog = self.watchdog  # a published guess that this rank was lost may be its own pause, just ended
+        frozen = watchdog.frozen_cause() if watchdog is not None and cause is None else None
+        facts = Facts(self.env, HEARTBEAT, heartbeat=cause, store_answers=store_answers, frozen=frozen)
         decision = decide(facts, self.timing)
         if decision.read is not None:  # read now, while rank 0 still waits for its readers: its store may go
             try:
