@@ -26,6 +26,13 @@ back (docs/fault_tolerance.rst):
     python -m torchbearer_dist.ft --min-replicas 1   # one machine
     python examples/distributed_data_parallel.py --fault-tolerant \
         --lighthouse ADDR:29510 --replica i --replicas N       # machine i
+
+A machine of several ranks is one replica group, started by its launcher,
+which restarts the whole group when one of its ranks is lost:
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 \
+        examples/distributed_data_parallel.py --fault-tolerant \
+        --lighthouse ADDR:29510 --replica i --replicas N
 """
 import os
 
@@ -103,8 +110,9 @@ def worker(args):
     env = tbd.current_env()  # None in a replica of the fault-tolerant mode
     train_set, test_set = load_data(args.data, args.download,
                                     env.local_rank if env else 0)
-    if args.fault_tolerant:  # replica --replica of --replicas: no group
-        train_loader, test_loader = replica_loaders(args, train_set, test_set)
+    if args.fault_tolerant:  # replica --replica of --replicas
+        train_loader, test_loader = replica_loaders(args, train_set, test_set,
+                                                    env)
     else:
         train_loader = DataLoader(
             train_set, batch_size=args.batch_size,
@@ -119,10 +127,12 @@ def worker(args):
     callbacks = [tbd.RankZeroOnly(PrintMetrics()),
                  *sync_callbacks(ddp, args.local_steps)]
     if args.fault_tolerant:  # trains on through lost replicas (torchft)
-        callbacks = [PrintMetrics(), *tbd.distributed_callbacks(
-            flatten_images=True, fault_tolerant=args.lighthouse,
-            replica_id='replica{}'.format(args.replica),
-            min_replicas=args.min_replicas, local_steps=args.local_steps)]
+        callbacks = [tbd.RankZeroOnly(PrintMetrics()),  # a group's rank 0
+                     *tbd.distributed_callbacks(
+                         flatten_images=True, fault_tolerant=args.lighthouse,
+                         replica_id='replica{}'.format(args.replica),
+                         min_replicas=args.min_replicas,
+                         local_steps=args.local_steps)]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
@@ -153,12 +163,15 @@ def saves(callbacks):
     return tbd.is_main_process()
 
 
-def replica_loaders(args, train_set, test_set):
-    """The loaders of replica --replica: shard i of --replicas, whoever is live."""
-    train = DistributedSampler(train_set, num_replicas=args.replicas,
-                               rank=args.replica, shuffle=True, seed=args.seed)
-    test = DistributedSampler(test_set, num_replicas=args.replicas,
-                              rank=args.replica, shuffle=False)
+def replica_loaders(args, train_set, test_set, env):
+    """The loaders of replica --replica: shard i of --replicas, whoever is
+    live; in a replica group of k ranks (env), its rank's of k x --replicas."""
+    k, rank = (env.world_size, env.rank) if env else (1, 0)
+    shards, shard = args.replicas * k, args.replica * k + rank
+    train = DistributedSampler(train_set, num_replicas=shards, rank=shard,
+                               shuffle=True, seed=args.seed)
+    test = DistributedSampler(test_set, num_replicas=shards, rank=shard,
+                              shuffle=False)
     return (DataLoader(train_set, batch_size=args.batch_size, sampler=train),
             DataLoader(test_set, batch_size=500, sampler=test))
 
@@ -182,7 +195,7 @@ def run(args):
     group = dict(host=args.host, port=args.port, backend=args.backend,
                  timeout=args.timeout, init_method=args.init_method)
     meet = args.rendezvous_timeout
-    if args.fault_tolerant:  # a replica of its own: no process group
+    if args.fault_tolerant and not launched(group):  # a replica of one process
         args.threads = args.threads or default_threads(1)
         return worker(args)
     if args.rank is not None:  # one rank of a job, one process per machine
@@ -192,6 +205,7 @@ def run(args):
             return worker(args)
     env = tbd.resolve(**group)
     if env.source != 'default':  # torchrun, srun or mpirun started this rank
+        # (--fault-tolerant: its ranks here are one replica group)
         here = next((int(os.environ[name]) for name in LOCAL_SIZES
                      if os.environ.get(name, '').isdigit()), env.world_size)
         args.threads = args.threads or default_threads(here)
@@ -217,6 +231,11 @@ def run(args):
                       port=args.port, backend=args.backend,
                       timeout=args.timeout,
                       rendezvous_timeout=meet)[0]
+
+
+def launched(group):
+    """Whether a launcher (torchrun, srun, mpirun) started this process."""
+    return tbd.resolve(**group).source != 'default'
 
 
 class _Parser(argparse.ArgumentParser):

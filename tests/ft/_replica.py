@@ -1,5 +1,8 @@
 """One replica of the fault-tolerant tests: a small Trial whose every step goes through torchft's Manager.
 
+Started by a launcher of several ranks (``torchrun --nproc-per-node k``), it is one rank of a replica group of k:
+its process group is the group's, and it trains shard ``replica * k + rank`` of ``replicas * k``.
+
 Prints ``STEP epoch batch`` after each step, and ``BUFFERS <buffers hash>`` then ``DONE <weights hash> <heals> <pid>
 <metrics>`` at the end; an error ends it with one line on stderr and status 1. With ``--record PATH`` the user's own
 callbacks sit around ours (:class:`ClipGradients` before, :class:`Record` after) and what they saw is saved to ``PATH``.
@@ -44,9 +47,10 @@ def dataset(samples):
     return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
 
 
-def model(replica, hidden, batchnorm=False):
+def model(replica, hidden, batchnorm=False, rank=0):
     """The replicas' model; ``batchnorm``: a BatchNorm1d after the first layer (running statistics as buffers)."""
-    torch.manual_seed(100 + replica)  # different initial weights: the first step's init_sync aligns them
+    torch.manual_seed(100 + replica + 1000 * rank)  # different initial weights: the first step's init_sync aligns
+    # the replicas, the group's start its ranks
     norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
     return torch.nn.Sequential(torch.nn.Linear(20, hidden), *norm, torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
 
@@ -157,13 +161,21 @@ def main():
     parser.add_argument('--exit-in-meeting', type=int, help='end the process in its N-th DiLoCo meeting (its quorum '
                         'formed, nothing sent)')
     args = parser.parse_args()
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1:  # one rank of a replica group: its launcher's process group
+        with tbd.process_group():
+            train(args, tbd.get_world_size(), tbd.get_rank())
+    else:
+        train(args)
+
+
+def train(args, group_size=1, rank=0):
     if args.exit_in_meeting:
         exit_in_meeting(args.exit_in_meeting)
     torch.set_num_threads(1)
     data = dataset(args.samples)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(
-        data, num_replicas=args.replicas, rank=args.replica, seed=0))
-    net = model(args.replica, args.hidden, args.batchnorm)
+        data, num_replicas=args.replicas * group_size, rank=args.replica * group_size + rank, seed=0))
+    net = model(args.replica, args.hidden, args.batchnorm, rank)
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     callbacks = tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),

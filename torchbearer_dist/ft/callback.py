@@ -7,6 +7,7 @@ import torchbearer
 from torchbearer import Callback
 
 from torchbearer_dist import _torchbearer
+from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks._batches import batch_size
 from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
@@ -17,10 +18,10 @@ from torchbearer_dist.data import distributed_sampler
 from torchbearer_dist.ft import _events, _heal, _signals, _torchft, _vote
 from torchbearer_dist.ft._pause import PauseClock
 from torchbearer_dist.ft.replica import Replica, lighthouse_address
-from torchbearer_dist.sync import collectives, meeting
+from torchbearer_dist.sync import collectives, meeting, models
 from torchbearer_dist.sync.buckets import GradientBuckets
 from torchbearer_dist.sync.fingerprint import fingerprint
-from torchbearer_dist.sync.group import QuorumGroup
+from torchbearer_dist.sync.group import SUM, DistGroup, HierarchicalGroup, QuorumGroup
 
 #: Quorums in a row a replica takes while the vote refuses a replica of each (a refused one leaves at once).
 VOTES = 4
@@ -29,8 +30,11 @@ VOTES = 4
 class FaultTolerantAllReduce(Callback):
     """Average gradients over the live replicas through torchft, heal a (re)started replica from a healthy one.
 
-    Each process is a torchft replica group of one. At every step it joins the lighthouse's quorum of live
-    replicas, averages its gradients over them (in buckets sent while backward runs, as the fail-fast mode's, and
+    Each process is a torchft replica group of one, or, inside a process group (torchrun, ``launch()``, srun on a
+    node), one rank of the replica group that its process group's ranks form: they average among themselves and
+    with the same rank of the other groups (:class:`~torchbearer_dist.sync.group.HierarchicalGroup`), and are lost
+    and healed together. At every step it joins the lighthouse's quorum of live replicas, averages its gradients
+    over them (in buckets sent while backward runs, as the fail-fast mode's, and
     done before ``backward()`` returns, so every ``on_backward`` callback sees the average) and steps every
     optimizer the Trial holds only if torchft commits the step: a step during which a replica was lost is
     dropped on every survivor, who go on among themselves. A replica that starts while others train heals at
@@ -96,7 +100,7 @@ class FaultTolerantAllReduce(Callback):
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
-        self.replica, self._signals = None, None
+        self.replica, self._signals, self._local = None, None, None
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
         self.restarts = 0  # runs this replica ended and began again at its healer's position (a heal mid-run)
@@ -123,19 +127,25 @@ class FaultTolerantAllReduce(Callback):
             return
         if state.get(torchbearer.GENERATOR) is not None:
             return  # evaluate() and predict() set their loader before on_start; run() does not: no quorum there
-        if collectives.world_size() > 1:
-            raise RuntimeError('the fault-tolerant mode runs one process per replica group, but this process is in a '
-                               'process group of {}; start each replica alone (no torchrun/launch process group)'
-                               .format(collectives.world_size()))
         self._release()
         self._reset()
+        # A process group (torchrun, launch(), srun) is this replica group: its ranks start, fail and heal together.
+        self._local = DistGroup() if collectives.world_size() > 1 else None
+        if self._local is not None:
+            if not self.every_step:
+                raise RuntimeError("the fault-tolerant mode's DiLoCo meetings run one process per replica group, but "
+                                   'this process is rank {} of a group of {}; start each replica alone, or average at '
+                                   'every step (no local_steps)'.format(self._local.rank(), self._local.size()))
+            entries = _held.synchronised(state)  # the group's ranks start alike: rank 0's weights, as the fail-fast
+            models.check_same_tensors(entries, 0)  # mode's; the first quorum then makes the groups alike
+            models.broadcast_tensors([t for _, t in entries], 0)
         self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
         self._summed = loss_is_summed(state, self.loss_reduction)
         replica_id = self.replica_id or socket.gethostname().replace(':', '_')
         # Ctrl-C and SIGTERM end this replica within 1.5 s, wherever they land, in one line (see _signals)
         self._signals = _signals.SignalStop(replica_id, lambda: (self._state and self._state(), self._passing))
         self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
-                               self.timeout, self.host)
+                               self.timeout, self.host, group=self._local)
         self._clock, self._peers = PauseClock(), 0  # how long this process was stopped; the last quorum's replicas
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
         if self.every_step:
@@ -161,7 +171,7 @@ class FaultTolerantAllReduce(Callback):
                                 'replica since: the others finished or were lost meanwhile; it stops rather than '
                                 'train on alone from where it was (restart it to start anew)'.format(stopped))
         self._peers = count
-        self.writer = self._state()[WRITER] = manager.participating_rank() == 0
+        self.writer = self._state()[WRITER] = self._group().rank() == 0
         news, self._news = self._news, []
         for line in news:  # a heal's, once the vote let this replica in
             _events.say(line)
@@ -213,8 +223,8 @@ class FaultTolerantAllReduce(Callback):
             # the replicas live at the step) complete before backward() returns. Buckets stay in reverse
             # registration order (no reordering broadcast, which a replica joining later would not match), and
             # a non-finite average goes to the gate as it is.
-            self._buckets = GradientBuckets(params, overlap=True, average=not self._summed,
-                                            group=QuorumGroup(self.replica.manager), reorder=False, check_finite=False)
+            self._buckets = GradientBuckets(params, overlap=True, average=not self._summed, group=self._group(),
+                                            reorder=False, check_finite=False)
             self._buckets.attach()
 
     def on_sample(self, state):
@@ -268,6 +278,12 @@ class FaultTolerantAllReduce(Callback):
             self._dropped('meeting')
         return committed
 
+    def _group(self):
+        """Whom this step averages over: the live replicas; with a replica group of several ranks, every rank of
+        the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``)."""
+        quorum = QuorumGroup(self.replica.manager)
+        return quorum if self._local is None else HierarchicalGroup(self._local, quorum)
+
     def _dropped(self, what):
         """One line: this step (or meeting) was not committed on any replica, and why (torchft's first line)."""
         state, error = self._state(), self.replica.manager.errored()
@@ -313,9 +329,9 @@ class FaultTolerantAllReduce(Callback):
         names = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
                        not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1))
         payload = torch.tensor([float(metrics[n]) * weight for n in names] + [float(weight)], dtype=torch.float64)
-        self.replica.manager.allreduce(payload, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        whole = self._group().all_reduce(payload, SUM).wait()
         total = payload.tolist()
-        if self.replica.manager.errored() is None and total[-1] > 0:
+        if whole and self.replica.manager.errored() is None and total[-1] > 0:
             for i, name in enumerate(names):
                 metrics[name] = total[i] / total[-1]
 
@@ -401,16 +417,16 @@ class FaultTolerantAllReduce(Callback):
         too (BatchNorm's statistics), which each meeting makes the same on every replica. Averaging at every step
         leaves each replica its own buffers: they are not compared there.
         """
-        manager = self.replica.manager
-        count, rank = manager.num_participants(), manager.participating_rank()
+        manager, group = self.replica.manager, self._group()
+        count, rank = group.size(), group.rank()
         if count <= 1 or rank is None or manager.errored() is not None:
             return
         params = [p for _, p in trainable(state)] + ([] if self.every_step else held_buffers(state))
         mine = torch.stack([fingerprint(p) for p in params]) if params else torch.zeros(1, 2)
         rows = torch.zeros(count, 2, dtype=torch.int64)
         rows[rank] = fingerprint(mine)
-        manager.allreduce(rows, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if manager.errored() is not None:
+        whole = group.all_reduce(rows, SUM).wait()
+        if not whole or manager.errored() is not None:
             _events.say('replica {} could not compare its final weights with the others: a replica was lost after '
                         'the last step'.format(self.replica.replica_id))
             return

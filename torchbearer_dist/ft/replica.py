@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
+import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
@@ -120,7 +121,8 @@ def _transport(host, timeout):
 
 
 class Replica:
-    """This process as a replica group of one: a TCPStore, a torchft gloo group and a ``torchft.Manager``.
+    """This process as a replica group of one (or as one rank of a replica group of several): a TCPStore, a torchft
+    gloo group and a ``torchft.Manager``.
 
     The Manager averages through the group over the replicas of each quorum, and serves this replica's
     state (``state_dict()``) to replicas that heal from it, or loads a healthy one's (``load_state_dict``).
@@ -141,13 +143,17 @@ class Replica:
         min_replicas (int): fewer live replicas than this and the others wait (up to ``timeout``)
         timeout (float): seconds for a collective and a heal; a quorum may take three times as long
         host (str): the address other replicas reach this one at (default: the one on the route to the lighthouse)
+        group (DistGroup): the replica group's ranks, where it has several (None: this process alone). Its rank 0
+            holds the group's store and the Manager's server, which talks to the lighthouse for the group; every
+            rank's Manager averages with the same rank of the other groups
 
     Raises:
         RuntimeError: torchft is missing, or no torchft lighthouse answers within ``timeout`` (something else there
             named)
     """
 
-    def __init__(self, lighthouse, replica_id, load_state_dict, state_dict, min_replicas=1, timeout=60.0, host=None):
+    def __init__(self, lighthouse, replica_id, load_state_dict, state_dict, min_replicas=1, timeout=60.0, host=None,
+                 group=None):
         torchft = require_torchft()
         self.lighthouse, self.replica_id = lighthouse, replica_id
         self.timeout, self.min_replicas = timeout, min_replicas
@@ -157,14 +163,22 @@ class Replica:
         self.host = host or route_source(parsed.hostname, parsed.port) or socket.gethostname()
         self._quiet = _quiet.Quiet.open()
         try:
-            # The replica group's own store: one process per group, so this process is its master.
+            # The replica group's own store, new with each start of the group, held by its rank 0: its other ranks
+            # learn its address through their process group (the launcher's store outlives a restart of the group,
+            # where they could read the last incarnation's Manager address).
             limit = timedelta(seconds=timeout)
-            self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
+            rank, size = (0, 1) if group is None else (group.rank(), group.size())
+            self._store = None
+            if rank == 0:
+                self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
+            address = [self.host, self._store.port if self._store is not None else None]
+            if size > 1:
+                dist.broadcast_object_list(address, src=0, group=group.process_group)
             self.group = torchft.ProcessGroupGloo(timeout=limit)
             self.manager = torchft.Manager(
                 pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
-                rank=0, world_size=1, store_addr=self.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+                rank=rank, world_size=size, store_addr=address[0], store_port=address[1], lighthouse_addr=lighthouse,
                 replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit),
                 quorum_retries=QUORUM_RETRIES)
         except BaseException:

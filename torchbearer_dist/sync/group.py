@@ -9,7 +9,12 @@ its mode, as torchft's ``DistributedDataParallel`` is torch's DDP handed another
   the quorum's at each step; a collective never raises: torchft records the error (``manager.errored()``), the
   result is then not to be trusted and ``should_commit()`` drops the step on every replica.
 
-Both answer ``size()``, ``alone()``, ``rank()``, ``device(like)``, and start collectives in place that return a
+- :class:`HierarchicalGroup`: a replica group of several ranks (one machine's, started by ``torchrun``, ``launch()``
+  or ``srun``) inside a torchft quorum of such groups: a tensor is summed within the group, each rank sends its
+  share of it across the groups (to the ranks of the same index), and the shares are summed back within the group,
+  so that the bytes between machines are split over the group's ranks.
+
+All answer ``size()``, ``alone()``, ``rank()``, ``device(like)``, and start collectives in place that return a
 work whose ``wait()`` returns True when the result holds every member's contribution (False: torchft failed it):
 ``all_reduce(tensor, op)`` with ``op`` :data:`SUM` or :data:`AVG` (the sum divided by ``size()``), and
 ``broadcast(tensor)`` (the group's first member's values on every member).
@@ -199,3 +204,104 @@ class QuorumGroup:
         if not head:
             tensor.zero_()
         return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=SUM))
+
+
+class _Done:
+    """A collective already complete: its wait returns whether the result holds every member's contribution."""
+
+    def __init__(self, whole):
+        self.whole = whole
+
+    def wait(self):
+        return self.whole
+
+
+class _HierarchicalWork:
+    """A hierarchical all-reduce in flight: the sum within the replica group started; :meth:`wait` does the rest."""
+
+    def __init__(self, group, tensor, op, local_work):
+        self.group, self.tensor, self.op, self.local_work = group, tensor, op, local_work
+
+    def wait(self):
+        group, tensor = self.group, self.tensor
+        self.local_work.wait()  # within the group: a lost rank raises (the fail-fast mode's rules)
+        flat = tensor.view(-1)
+        begin, end = group.share(flat.numel())
+        whole = True
+        if end > begin:  # the same bounds at this rank's index in every group: all skip an empty share alike
+            whole = group.quorum.all_reduce(flat[begin:end], SUM).wait()
+        flat[:begin].zero_()
+        flat[end:].zero_()
+        group.local.all_reduce(tensor, SUM).wait()  # every rank's share, summed over every group: the whole sum
+        if self.op == AVG:
+            tensor.div_(group.size())
+        return whole
+
+
+class HierarchicalGroup:
+    """A replica group of several ranks (its ``torch.distributed`` group) inside a torchft quorum of such groups.
+
+    Every group has the same number of ranks; rank ``i`` of a group runs a Manager whose quorum holds rank ``i``
+    of every live group (torchft's replica groups). :meth:`all_reduce` sums within the group, sends this rank's
+    ``1/k`` of the sum to the same rank of the other groups, and sums the shares back within the group (a
+    hierarchical all-reduce: each machine sends the single-rank groups' bytes, split over its ``k`` ranks). A
+    failure within the group raises, as in the fail-fast mode (the group is lost as a unit); one across groups is
+    torchft's (``wait()`` returns False and ``should_commit()``, which the group's Manager decides for all its
+    ranks, drops the step).
+
+    Example:
+
+        .. code-block:: python
+
+            group = HierarchicalGroup(DistGroup(), QuorumGroup(manager))   # under torchrun, after start_quorum()
+            ok = group.all_reduce(grads, AVG).wait()   # the average over every rank of every live group
+
+    Args:
+        local (DistGroup): this replica group's ranks
+        quorum (QuorumGroup): this rank's Manager's quorum: the same rank of every live group
+
+    .. warning:: Every collective is a synchronization point of the group's ranks and of the live groups.
+    """
+
+    def __init__(self, local, quorum):
+        self.local, self.quorum = local, quorum
+
+    def size(self):
+        """The ranks that count: the group's ranks times the live groups at this step."""
+        return self.local.size() * self.quorum.size()
+
+    def alone(self):
+        """Whether no other rank takes part."""
+        return self.local.alone() and self.quorum.alone()
+
+    def rank(self):
+        """This rank's place among every rank of the live groups (None: its group is in no quorum)."""
+        index = self.quorum.rank()
+        return None if index is None else index * self.local.size() + self.local.rank()
+
+    def device(self, like=None):
+        """Where small control tensors live: the group's device (the quorum's wire is the CPU's)."""
+        return self.local.device(like)
+
+    def share(self, numel):
+        """``(begin, end)``: the slice of a flat tensor of ``numel`` values this rank sends across the groups."""
+        k, i = self.local.size(), self.local.rank()
+        return numel * i // k, numel * (i + 1) // k
+
+    def all_reduce(self, tensor, op=SUM):
+        """Reduce ``tensor`` (contiguous) in place over every rank of the live groups; returns the collective in
+        flight, whose ``wait()`` raises where the group lost a rank and returns False where torchft failed it.
+
+        .. warning:: A synchronization point of the group's ranks and of the live groups.
+        """
+        _check_op(op)
+        return _HierarchicalWork(self, tensor, op, self.local.all_reduce(tensor, SUM))
+
+    def broadcast(self, tensor):
+        """The first rank of the quorum's first group's ``tensor``, in place on every rank; returns the collective
+        done.
+
+        .. warning:: A synchronization point of the group's ranks and of the live groups.
+        """
+        self.local.broadcast(tensor).wait()
+        return _Done(self.quorum.broadcast(tensor).wait())
