@@ -28,7 +28,8 @@ back (docs/fault_tolerance.rst):
         --lighthouse ADDR:29510 --replica i --replicas N       # machine i
 
 A machine of several ranks is one replica group, started by its launcher,
-which restarts the whole group when one of its ranks is lost:
+which restarts the whole group when one of its ranks is lost (or by this
+program: --world-size k --max-restarts R instead of torchrun):
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 \
         examples/distributed_data_parallel.py --fault-tolerant \
@@ -195,8 +196,10 @@ def run(args):
     group = dict(host=args.host, port=args.port, backend=args.backend,
                  timeout=args.timeout, init_method=args.init_method)
     meet = args.rendezvous_timeout
-    if args.fault_tolerant and not launched(group):  # a replica of one process
-        args.threads = args.threads or default_threads(1)
+    if args.fault_tolerant and not launched(group):
+        if (args.world_size or 1) > 1:  # --world-size k ranks here: one group
+            return replica_group(args)
+        args.threads = args.threads or default_threads(1)  # a replica alone
         return worker(args)
     if args.rank is not None:  # one rank of a job, one process per machine
         args.threads = args.threads or default_threads(1)
@@ -231,6 +234,25 @@ def run(args):
                       port=args.port, backend=args.backend,
                       timeout=args.timeout,
                       rendezvous_timeout=meet)[0]
+
+
+def replica_group(args):
+    """--world-size ranks on this machine as one replica group of the
+    fault-tolerant mode, started again (up to --max-restarts times) when it
+    loses a rank: the new group heals from the live ones."""
+    args.threads = args.threads or default_threads(args.world_size)
+    for restarts in range(args.max_restarts + 1):
+        try:
+            return tbd.launch(worker, args.world_size, args=(args,),
+                              host='127.0.0.1', timeout=args.timeout,
+                              rendezvous_timeout=args.rendezvous_timeout)[0]
+        except RuntimeError as error:  # a rank failed or was lost, as
+            if restarts == args.max_restarts:  # torchrun restarts on any
+                raise
+            print('the replica group stopped ({}); starting it again '
+                  '({} of {})'.format(str(error).splitlines()[0],
+                                      restarts + 1, args.max_restarts),
+                  file=sys.stderr, flush=True)
 
 
 def launched(group):
@@ -282,6 +304,9 @@ def build_parser():
     add('--replicas', type=int, default=1, help='N: data shards, one a replica')
     add('--min-replicas', type=int, default=1,
         help='fewest live replicas that train (the others wait)')
+    add('--max-restarts', type=int, default=3,
+        help='--fault-tolerant --world-size k: start the group again this '
+        'many times when it loses a rank')
     add('--no-resume', action='store_true',
         help='start afresh even if --checkpoint-dir holds a checkpoint')
     return parser
@@ -297,6 +322,9 @@ def parse_args(argv=None):
         if value is not None and value < 1:
             parser.error('--{} should be at least 1, but given {}'.format(
                 name.replace('_', '-'), value))
+    if args.max_restarts < 0:
+        parser.error('--max-restarts should be at least 0, but given '
+                     '{}'.format(args.max_restarts))
     if not args.lr > 0:
         parser.error('--lr should be positive, but given {}'.format(args.lr))
     if args.local_steps is not None and args.backend == 'nccl':
