@@ -36,9 +36,12 @@ class Groups:
 
     links = ('lo', 'lo')
 
+    def __init__(self, restarts=2):
+        self.restarts = restarts
+
     def command(self, replica, argv):
-        return [*TORCHRUN, '--standalone', '--nproc-per-node', '2', '--max-restarts', '2', '--monitor-interval',
-                '0.2', *argv[1:]]
+        return [*TORCHRUN, '--standalone', '--nproc-per-node', '2', '--max-restarts', str(self.restarts),
+                '--monitor-interval', '0.2', *argv[1:]]
 
 
 def _workers(agent):
@@ -106,3 +109,20 @@ def test_a_rank_killed_restarts_its_group_which_heals_from_the_other_group_and_a
     ranks = done[survivor] + done[lost]
     assert len({d[0] for d in ranks}) == 1, done
     assert len({d[3] for d in ranks}) == 1, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STARTUP + LOAD_SLACK + 60)
+def test_diloco_with_a_replica_group_of_two_ranks_stops_each_rank_in_one_line_before_any_quorum(tmp_path):
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1) as lighthouse:
+        replicas = Replicas(tmp_path, lighthouse.address, hosts=Groups(restarts=0))
+        try:
+            group = replicas.start(0, *ARGS, '--local-steps', '4')
+            assert replicas.process(group).wait(STARTUP + LOAD_SLACK + 30) != 0, replicas.describe()
+        finally:
+            replicas.kill_all()
+    lines = sorted(line for line in replicas.err(group).splitlines() if line.startswith('error: '))
+    assert lines == ["error: the fault-tolerant mode's DiLoCo meetings run one process per replica group, but this "
+                     'process is rank {} of a group of 2; start each replica alone, or average at every step (no '
+                     'local_steps)'.format(rank) for rank in (0, 1)], replicas.describe()
+    assert 'READY' not in replicas.out(group)  # no Manager, no quorum

@@ -326,14 +326,11 @@ class FaultTolerantAllReduce(Callback):
         if self.replica is None or self._restart is not None:  # a run that ends to begin again meets nobody
             return
         metrics = state[torchbearer.METRICS]
-        names = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
-                       not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1))
-        payload = torch.tensor([float(metrics[n]) * weight for n in names] + [float(weight)], dtype=torch.float64)
-        whole = self._group().all_reduce(payload, SUM).wait()
-        total = payload.tolist()
-        if whole and self.replica.manager.errored() is None and total[-1] > 0:
-            for i, name in enumerate(names):
-                metrics[name] = total[i] / total[-1]
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
+                   not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1)}
+        means = collectives.weighted_means(numbers, weight, group=self._group())
+        if self.replica.manager.errored() is None:
+            metrics.update(means)
 
     def _config(self, state):
         """What every replica of a run must share, sent with a heal and checked by the healed replica."""
