@@ -15,11 +15,21 @@ SKIPPED_STEPS = torchbearer.state_key('skipped_steps')
 
 
 class StepChecks:
-    """The checks of a step (a mixin): it reads ``buckets``, ``check_divergence``, ``on_nonfinite`` and
-    ``_steps`` of the callback, and counts ``skipped``."""
+    """The checks of a step, an object of :class:`~torchbearer_dist.AllReduceGradients`: the divergence sentinel
+    and the non-finite average's skip or stop, counting the steps it skipped.
 
-    def _check_divergence(self, state, buffers):
-        """The divergence sentinel: every rank raises, naming the tensor and the step, if the replicas differ."""
+    Args:
+        check_divergence (bool): run the divergence sentinel
+        on_nonfinite (str): ``'skip'`` or ``'raise'``: what a non-finite average does
+    """
+
+    def __init__(self, check_divergence=True, on_nonfinite='skip'):
+        self.check_divergence, self.on_nonfinite = check_divergence, on_nonfinite
+        self.skipped = 0  # steps skipped for a non-finite average, over this object's life
+
+    def divergence(self, state, buffers, steps):
+        """The divergence sentinel at training step ``steps`` of the run: every rank raises, naming the tensor and
+        the step, if the replicas differ; ``buffers``: the buffers too (at the end of a pass)."""
         if not self.check_divergence or collectives.world_size() == 1:
             return
         entries = _held.synchronised(state)
@@ -32,11 +42,12 @@ class StepChecks:
                                "differ); something updated it on one rank only, such as an optimizer or module that "
                                "trial.state does not hold (store it there) or a callback that edits weights on one "
                                "rank; AllReduceGradients(check_divergence=False) turns this check off".format(
-                                   where, state.get(torchbearer.EPOCH), self._steps, differing[0], len(differing),
+                                   where, state.get(torchbearer.EPOCH), steps, differing[0], len(differing),
                                    len(entries)))
 
-    def _check_step(self, state):
-        buckets = self.buckets
+    def step(self, state, buckets):
+        """After ``buckets`` averaged a step's gradients: raise where gradients escaped them, or where the average
+        is not finite and ``on_nonfinite='raise'``; else count a skipped step in ``state[SKIPPED_STEPS]``."""
         if buckets.missed():
             raise RuntimeError('gradients were computed without passing through the output of state[MODEL], so they '
                                'were not averaged; pass overlap=True to AllReduceGradients')

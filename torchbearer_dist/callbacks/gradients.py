@@ -19,7 +19,7 @@ from torchbearer_dist.sync import collectives, models
 from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, check_options, check_supported
 
 
-class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
+class AllReduceGradients(FollowTrainableSet, Callback):
     """Average every gradient over all ranks, complete when backward returns.
 
     Gradients are fused into flat buckets (see :class:`~torchbearer_dist.sync.buckets.GradientBuckets`)
@@ -142,10 +142,8 @@ class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
         if compression == 'powersgd':
             self.options['powersgd'] = dict(matrix_approximation_rank=powersgd_rank, start_iter=powersgd_start_iter)
         self.sync_every = sync_every
-        self.on_nonfinite = on_nonfinite
-        self.check_divergence = check_divergence
+        self.checks = StepChecks(check_divergence, on_nonfinite)  # the sentinel and the non-finite average's rule
         self.loss_reduction = loss_reduction
-        self.skipped = 0
         self.buckets = None
         self._ddp = False
         self._summed = False
@@ -211,7 +209,7 @@ class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
         if self.buckets is None or not self.buckets.same_params(params) or self.buckets.average != average:
             self.buckets = self._build(params) if params else None
         self._follow_from(state)
-        state[SKIPPED_STEPS] = self.skipped
+        state[SKIPPED_STEPS] = self.checks.skipped
         modules = [module for _, module in _held.held_modules(state)]
         # Every forward pass of a training step first looks whether a callback changed the trainable set.
         self._pre_hooks = [module.register_forward_pre_hook(self._on_forward) for module in modules]
@@ -249,12 +247,12 @@ class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
             self.buckets.disarm()
         if collectives.world_size() > 1:
             models.broadcast_buffers_of([module for _, module in _held.held_modules(state)])
-            self._check_divergence(state, buffers=True)
+            self.checks.divergence(state, True, self._steps)
 
     def on_backward(self, state):
         if self.buckets is not None:
             self.buckets.end_backward()
-            self._check_step(state)
+            self.checks.step(state, self.buckets)
 
     # --- the stop carrier (callbacks/stop.py): a stop request rides in the last bucket's stop flag ----------
 
@@ -262,12 +260,27 @@ class AllReduceGradients(FollowTrainableSet, StepChecks, Callback):
         """Called by the stop agreement's companion after every other callback of the step."""
         if self.buckets is not None:
             self.buckets.end_backward()
-            self._check_step(state)
+            self.checks.step(state, self.buckets)
             self.buckets.disarm()
         self._in_step = False
         self._steps += 1
         if self._steps == 1:
-            self._check_divergence(state, buffers=False)
+            self.checks.divergence(state, False, self._steps)
+
+    @property
+    def skipped(self):
+        """Training steps skipped because the averaged gradients were not finite, over this callback's life."""
+        return self.checks.skipped
+
+    @property
+    def check_divergence(self):
+        """Whether the divergence sentinel runs (the ``check_divergence`` option)."""
+        return self.checks.check_divergence
+
+    @property
+    def on_nonfinite(self):
+        """What a non-finite average does: ``'skip'`` or ``'raise'`` (the ``on_nonfinite`` option)."""
+        return self.checks.on_nonfinite
 
     def _carried_stop(self):
         """None without buckets (the agreement all-reduces its own word), else whether this step's gradients
