@@ -2,11 +2,17 @@
 
 A group's rank killed, its group restarted by torchrun and healed rank by rank from the other group, all ranks
 bit-identical: ``test_torchrun_restarts.py`` (``group-of-two``). The hierarchical all-reduce's arithmetic:
-``tests/sync/test_group.py``. Here, what a group refuses.
+``tests/sync/test_group.py``. Here, what a group refuses, and a group's rank 0 lost.
 """
+import os
+import re
+import signal
+import subprocess
+import time
+
 import pytest
 
-from _dist import LOAD_SLACK, STARTUP
+from _dist import LOAD_SLACK, STARTUP, child_env, free_port, kill_session, python
 
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
@@ -14,6 +20,8 @@ from _replicas import Replicas  # noqa: E402
 from test_torchrun_restarts import ARGS, Torchrun  # noqa: E402
 
 from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
+
+REPLICA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '_replica.py')
 
 
 @pytest.mark.slow
@@ -31,3 +39,48 @@ def test_diloco_with_a_replica_group_of_two_ranks_stops_each_rank_in_one_line_be
                      'process is rank {} of a group of 2; start each replica alone, or average at every step (no '
                      'local_steps)'.format(rank) for rank in (0, 1)], replicas.describe()
     assert 'READY' not in replicas.out(group)  # no Manager, no quorum
+
+
+def _by_hand(tmp_path, lighthouse, port):
+    """A replica group of two ranks started by hand (torchrun's environment, no launcher to stop them): its
+    processes and their output files."""
+    started = []
+    for rank in range(2):
+        env = child_env(RUST_LOG='warn', RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE='2',
+                        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        out = tmp_path / 'rank{}.out'.format(rank)
+        with open(out, 'w') as stream:
+            started.append((subprocess.Popen(python(REPLICA, '--lighthouse', lighthouse, '--replica', '0',
+                                                    '--replicas', '1', *ARGS[2:]), stdout=stream,
+                                             stderr=subprocess.STDOUT, env=env, start_new_session=True), out))
+    return started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STARTUP + LOAD_SLACK + 90)
+def test_a_groups_rank_0_lost_is_named_by_its_other_rank_which_stops(tmp_path):
+    # Rank 0 holds the group's store and torchft server; the other rank's quorum and commit go through it. Before,
+    # it said "no quorum ... fewer live replicas than the minimum" or torchft's "transport error".
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1) as lighthouse:
+        started = _by_hand(tmp_path, lighthouse.address, free_port())
+        try:
+            end = time.monotonic() + STARTUP + LOAD_SLACK
+            while started[0][1].read_text().count('STEP ') < 10 and time.monotonic() < end:
+                time.sleep(0.1)
+            os.kill(started[0][0].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            code = started[1][0].wait(60)
+            print('rank 1 stopped {:.1f} s after rank 0 was killed'.format(time.monotonic() - killed))
+        finally:
+            for process, _ in started:
+                kill_session(process.pid)
+                process.wait()
+    text = started[1][1].read_text()
+    lines = [line for line in text.splitlines() if line.startswith('error: ')]
+    assert code == 1 and len(lines) == 1, text[-3000:]
+    # where the quorum or the commit found it: the group's line; inside the group's own all-reduce: the fail-fast
+    # mode's, naming rank 0 as well
+    assert lines[0] in ('error: rank 0 of replica group r0, which holds its store and torchft server, is gone: rank 1 '
+                        'stops with its group (its launcher starts the group again, and it heals from the live '
+                        'replicas)', ) or re.match(r'error: rank 0 .*\(rank 1 stopped\)$', lines[0]), lines
+    assert 'DONE' not in text

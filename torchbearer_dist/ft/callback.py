@@ -304,7 +304,7 @@ class FaultTolerantAllReduce(Callback):
                 loss = closure() if closure is not None else None
                 if self._commit is None:
                     self._buckets.complete()
-                    self._commit = self.replica.manager.should_commit()
+                    self._commit = self.replica.should_commit()
                     if not self._commit:
                         self._dropped('step')
                 if self._commit:

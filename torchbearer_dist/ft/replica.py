@@ -15,6 +15,8 @@ from torch.distributed import TCPStore
 
 from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
 from torchbearer_dist.ft._heal import Refused
+from torchbearer_dist.runtime import _peers
+from torchbearer_dist.runtime._timing import poll
 from torchbearer_dist.runtime.network import route_source
 
 #: A quorum may take this many ``timeout``\ s: the others may be stuck up to one ``timeout`` in a collective
@@ -28,6 +30,9 @@ QUORUM_RETRIES = 30
 GRACE = 2.0
 #: Seconds between quorums while fewer live replicas than this replica's ``min_replicas`` are there.
 MIN_REPLICAS_POLL = 0.5
+#: Seconds a group's other rank, whose call to rank 0's torchft server failed, waits for rank 0's store to refuse
+#: connections: a killed process closes its sockets one by one (the server's may go first), slowly under load.
+HEAD_GONE = 1.0
 #: How a user installs torchft, in every error that finds it missing.
 INSTALL = 'pip install "torchbearer_dist[ft]"'
 #: How to start a lighthouse, in the errors that find none.
@@ -174,6 +179,7 @@ class Replica:
             address = [self.host, self._store.port if self._store is not None else None]
             if size > 1:
                 dist.broadcast_object_list(address, src=0, group=group.process_group)
+            self.group_rank, self._group_store = rank, tuple(address)
             self.group = torchft.ProcessGroupGloo(timeout=limit)
             self.manager = torchft.Manager(
                 pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
@@ -234,6 +240,9 @@ class Replica:
         observation, what = _watch.probe(self.lighthouse, min(self.timeout, 5.0))
         if observation != _watch.LIGHTHOUSE:
             return lost_line(self.lighthouse, observation, what, self.timeout)
+        lost = self.lost_group_head()
+        if lost is not None:
+            return lost
         head = 'no quorum within {:g} s at the lighthouse {}: '.format(QUORUM_TIMEOUTS * self.timeout, self.lighthouse)
         gap = self._watch.verdict.gap
         if gap is not None and gap[1] >= started:
@@ -242,6 +251,33 @@ class Replica:
         return head + ('fewer live replicas than the minimum (its --min-replicas, or min_replicas={} here); start '
                        'more replicas or lower the minimum ({})'.format(
                            self.min_replicas, (str(error).splitlines() or [type(error).__name__])[0][:120]))
+
+    def should_commit(self):
+        """torchft's decision for the step (``Manager.should_commit``, which the group's rank 0 takes for all its
+        ranks): True where every live replica may step. A group whose rank 0 is gone raises the line that says so.
+
+        Raises:
+            RuntimeError: this replica group's rank 0 is gone (see :meth:`lost_group_head`), or torchft's error
+        """
+        try:
+            return self.manager.should_commit()
+        except Exception:
+            lost = self.lost_group_head()
+            if lost is not None:
+                raise RuntimeError(lost) from None
+            raise
+
+    def lost_group_head(self):
+        """The line for a replica group whose rank 0, which holds the group's store and torchft server (every other
+        rank's quorum and commit go through it), is gone: its store refuses connections (within :data:`HEAD_GONE`).
+        None on rank 0, in a replica of one process, or while rank 0's store answers."""
+        if not self.group_rank:
+            return None
+        if not poll(lambda: _peers.probe(*self._group_store) == 'refused', HEAD_GONE):
+            return None
+        return ('rank 0 of replica group {}, which holds its store and torchft server, is gone: rank {} stops with its '
+                'group (its launcher starts the group again, and it heals from the live replicas)'.format(
+                    self.replica_id, self.group_rank))
 
     def _on_watch(self, event):
         """On the watch's thread: the lighthouse back (a line), or lost (the main thread's quorum ends in the line)."""
