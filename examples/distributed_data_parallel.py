@@ -133,7 +133,8 @@ def worker(args):
                          flatten_images=True, fault_tolerant=args.lighthouse,
                          replica_id='replica{}'.format(args.replica),
                          min_replicas=args.min_replicas,
-                         local_steps=args.local_steps)]
+                         local_steps=args.local_steps,
+                         restarted=getattr(args, 'restarted', None))]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
@@ -242,6 +243,7 @@ def replica_group(args):
     loses a rank: the new group heals from the live ones."""
     args.threads = args.threads or default_threads(args.world_size)
     for restarts in range(args.max_restarts + 1):
+        args.restarted = True if restarts else None  # None: torchrun's, SLURM's
         try:
             return tbd.launch(worker, args.world_size, args=(args,),
                               host='127.0.0.1', timeout=args.timeout,

@@ -139,3 +139,30 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
     every = done[survivor] + done[restarted]
     assert len({d[0] for d in every}) == 1, done
     assert len({d[3] for d in every}) == 1, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * (STARTUP + LOAD_SLACK) + 60)
+def test_a_restart_that_finds_nobody_to_heal_from_stops_instead_of_training_the_run_again_alone(tmp_path, monkeypatch):
+    # Helper's netns run (lighthouse --min-replicas 1): a group restarted by torchrun 3 s after the other replica had
+    # finished found nobody, trained the whole run again from its initial weights, alone, and saved its model over
+    # the other's, both at exit 0. A restart (torchrun's count in its environment) that resumed a checkpoint goes on.
+    checkpoint = str(tmp_path / 'r1.pt')
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1) as lighthouse:
+        replicas = Replicas(tmp_path, lighthouse.address)
+        try:
+            first = replicas.start(1, *ARGS, '--epochs', '1', '--checkpoint', checkpoint)  # its first run, alone
+            assert replicas.process(first).wait(STARTUP + LOAD_SLACK + 30) == 0, replicas.describe()
+            monkeypatch.setenv('TORCHELASTIC_RESTART_COUNT', '1')
+            again = replicas.start(1, *ARGS)
+            assert replicas.process(again).wait(STARTUP + LOAD_SLACK + 30) == 1, replicas.describe()
+            resumed = replicas.start(1, *ARGS, '--resume', checkpoint)
+            assert replicas.process(resumed).wait(STARTUP + LOAD_SLACK + 30) == 0, replicas.describe()
+        finally:
+            replicas.kill_all()
+    assert [line for line in replicas.err(again).splitlines() if line.startswith('error: ')] == [
+        'error: this replica was started again (TORCHELASTIC_RESTART_COUNT=1) but finds no live replica to heal from: '
+        'the others finished or were lost meanwhile; it stops rather than train the whole run again alone (start '
+        'every replica anew for a new run, or resume from a checkpoint)'], replicas.describe()
+    assert replicas.steps(again) == 0
+    assert replicas.steps(resumed) == 60 and replicas.done(resumed), replicas.describe()  # epoch 2 of 2 only

@@ -25,7 +25,7 @@ __all__ = ['LR_FACTOR', 'SKIPPED_STEPS', 'AgreeOnStop', 'AllReduceGradients', 'B
 
 
 #: The options of :class:`~torchbearer_dist.FaultTolerantAllReduce` in ``distributed_callbacks(**options)``.
-_FT_OPTIONS = ('replica_id', 'min_replicas', 'timeout', 'host')
+_FT_OPTIONS = ('replica_id', 'min_replicas', 'timeout', 'host', 'restarted')
 
 
 def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast', uneven='min', gather_predictions=True,
@@ -74,7 +74,7 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             the lighthouse's ``'HOST:PORT'`` (True: ``$TORCHFT_LIGHTHOUSE``). Each process is then a replica
             that trains on among the live ones when others are lost and heals live when it (re)starts
             (:class:`~torchbearer_dist.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
-            ``replica_id``, ``min_replicas``, ``timeout``, ``host``); the list is then SetSamplerEpoch,
+            ``replica_id``, ``min_replicas``, ``timeout``, ``host``, ``restarted``); the list is then SetSamplerEpoch,
             optionally FlattenImages, and FaultTolerantAllReduce. With ``local_steps``, DiLoCo follows it and
             its meetings go through torchft, blocking and in fp32 (``compression`` or ``overlap_steps``
             raise ValueError; see :doc:`/fault_tolerance`). None (the default): the fail-fast mode

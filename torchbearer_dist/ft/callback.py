@@ -1,4 +1,5 @@
 """Training through lost machines: a Trial's steps driven through torchft's Manager (the fault-tolerant mode)."""
+import os
 import socket
 import weakref
 
@@ -25,6 +26,8 @@ from torchbearer_dist.sync.group import SUM, DistGroup, HierarchicalGroup, Quoru
 
 #: Quorums in a row a replica takes while the vote refuses a replica of each (a refused one leaves at once).
 VOTES = 4
+#: Launchers' counts of a job's restarts, in their processes' environment: torchrun's, SLURM's (a requeue).
+RESTART_COUNTS = ('TORCHELASTIC_RESTART_COUNT', 'SLURM_RESTART_COUNT')
 
 
 class FaultTolerantAllReduce(Callback):
@@ -71,6 +74,10 @@ class FaultTolerantAllReduce(Callback):
         host (str): the address other replicas reach this one at (default: the one on the route to the lighthouse)
         loss_reduction (str): ``'auto'``, ``'mean'`` or ``'sum'``: a summed loss has its gradients summed
         every_step (bool): False: no quorum nor averaging at each step, DiLoCo's meetings through ``meet()``
+        restarted (bool): this process is a launcher's restart of a replica that trained before (None: read
+            torchrun's ``TORCHELASTIC_RESTART_COUNT`` and SLURM's ``SLURM_RESTART_COUNT``). A restarted replica
+            that finds no live replica to heal from at its first quorum, and resumed no checkpoint, stops in one
+            line rather than train the whole run again alone (the others finished or were lost meanwhile)
 
     Raises:
         ValueError: a bad option
@@ -88,7 +95,7 @@ class FaultTolerantAllReduce(Callback):
     """
 
     def __init__(self, lighthouse=None, replica_id=None, min_replicas=1, timeout=60.0, host=None,
-                 loss_reduction='auto', every_step=True):
+                 loss_reduction='auto', every_step=True, restarted=None):
         super().__init__()
         self.lighthouse = lighthouse_address(lighthouse)
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
@@ -100,6 +107,9 @@ class FaultTolerantAllReduce(Callback):
         check_loss_reduction(loss_reduction)
         self.replica_id, self.min_replicas, self.timeout = replica_id, min_replicas, float(timeout)
         self.host, self.loss_reduction, self.every_step = host, loss_reduction, every_step
+        if restarted is not None and not isinstance(restarted, bool):
+            raise ValueError('restarted should be None, True or False, but given {!r}'.format(restarted))
+        self.restarted = restarted
         self.replica, self._signals, self._local = None, None, None
         self.writer = False  # whether this replica wrote checkpoints at the last step (the quorum's first)
         self.heals = 0  # heals of this replica in its runs (the first step's init_sync not counted)
@@ -151,7 +161,24 @@ class FaultTolerantAllReduce(Callback):
         if self.every_step:
             self._gate(state)
         self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
+        self._check_not_alone_again(state)
         self._open = True  # this quorum serves the first step
+
+    def _check_not_alone_again(self, state):
+        """A launcher's restart (see ``restarted``) alone at its first quorum, nothing healed nor resumed: the
+        others finished or were lost meanwhile, and training the run again from the start would fork it."""
+        restarts = [(name, os.environ.get(name, '')) for name in RESTART_COUNTS]
+        restarts = [(name, int(value)) for name, value in restarts if value.isdigit() and int(value) > 0]
+        restarted = bool(restarts) if self.restarted is None else self.restarted
+        manager = self.replica.manager
+        if not restarted or manager.num_participants() != 1 or self.heals or state[torchbearer.HISTORY] or \
+                state[torchbearer.EPOCH] or self._pending is not None:
+            return
+        how = '{}={}'.format(*restarts[0]) if restarts and self.restarted is None else 'restarted=True'
+        self._release()
+        raise _heal.Refused('this replica was started again ({}) but finds no live replica to heal from: the others '
+                            'finished or were lost meanwhile; it stops rather than train the whole run again alone '
+                            '(start every replica anew for a new run, or resume from a checkpoint)'.format(how))
 
     def _start_quorum(self, shrink_only=False):
         stopped, heals = self._clock.take(), self.heals
