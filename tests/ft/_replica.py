@@ -161,7 +161,8 @@ def main():
     parser.add_argument('--exit-in-meeting', type=int, help='end the process in its N-th DiLoCo meeting (its quorum '
                         'formed, nothing sent)')
     args = parser.parse_args()
-    if int(os.environ.get('WORLD_SIZE', '1')) > 1:  # one rank of a replica group: its launcher's process group
+    if tbd.resolve().world_size > 1:  # one rank of a replica group: its launcher's process group (torchrun's,
+        # launch()'s, or an srun of several tasks: SLURM_NTASKS, no WORLD_SIZE)
         with tbd.process_group():
             train(args, tbd.get_world_size(), tbd.get_rank())
     else:
