@@ -22,6 +22,13 @@ from torchbearer import Callback, Trial
 import torchbearer_dist as tbd
 
 
+def say(*words):
+    """One line on stdout in one write: the ranks of a group (torchrun's workers, srun's tasks) share the file, and
+    ``print``'s separate writes of each word interleave there (a DONE line cut by another rank's BUFFERS line)."""
+    sys.stdout.write(' '.join(str(word) for word in words) + '\n')
+    sys.stdout.flush()
+
+
 class Progress(Callback):
     """Prints each step and sleeps ``sleep`` s; at the run's ``gate_step``-th step (counted from the run's start,
     as every replica counts it, whenever this one joined) waits for the file ``gate``."""
@@ -31,7 +38,7 @@ class Progress(Callback):
         self.sleep, self.gate, self.gate_step = sleep, gate, gate_step
 
     def on_step_training(self, state):
-        print('STEP', state[torchbearer.EPOCH], state[torchbearer.BATCH], flush=True)
+        say('STEP', state[torchbearer.EPOCH], state[torchbearer.BATCH])
         step = state[torchbearer.EPOCH] * state[torchbearer.STEPS] + state[torchbearer.BATCH] + 1
         if self.gate is not None and step >= self.gate_step:
             gate, self.gate = self.gate, None
@@ -132,7 +139,7 @@ def ready_at_the_first_quorum():
     def start_quorum(self, *args, **kwargs):
         if not getattr(self, 'asked', False):
             self.asked = True
-            print('READY', flush=True)
+            say('READY')
         return original(self, *args, **kwargs)
     Replica.start_quorum = start_quorum
 
@@ -202,9 +209,9 @@ def train(args, group_size=1, rank=0):
                     'clipped': before.norms, 'norms': after.norms, 'history': history,
                     'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps,
                     'buffer_anchor': diloco and diloco.engine.buffer_anchor}, args.record)
-    print('EPOCHS', len(history), 'RESTARTS', ft.restarts, flush=True)
-    print('BUFFERS', digest(net.buffers()), flush=True)
-    print('DONE', digest(net.parameters()), ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True), flush=True)
+    say('EPOCHS', len(history), 'RESTARTS', ft.restarts)
+    say('BUFFERS', digest(net.buffers()))
+    say('DONE', digest(net.parameters()), ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True))
 
 
 if __name__ == '__main__':

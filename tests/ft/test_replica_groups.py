@@ -84,3 +84,22 @@ def test_a_groups_rank_0_lost_is_named_by_its_other_rank_which_stops(tmp_path):
                         'stops with its group (its launcher starts the group again, and it heals from the live '
                         'replicas)', ) or re.match(r'error: rank 0 .*\(rank 1 stopped\)$', lines[0]), lines
     assert 'DONE' not in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (STARTUP + LOAD_SLACK) + 90)
+def test_two_groups_in_the_first_quorum_start_from_one_replicas_weights_and_end_bit_identical(tmp_path):
+    # Both groups in the first quorum (min_replicas=2), each rank of each replica with its own initial weights:
+    # torchft's first-step sync gives rank i the weights of the quorum's replica i, so rank 0 and rank 1 of every
+    # group held different models to the end (the SLURM test, helper); every rank now holds one model.
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=15.0) as lighthouse:
+        replicas = Replicas(tmp_path, lighthouse.address, hosts=Torchrun(ranks=2, restarts=0))
+        try:
+            started = [replicas.start(r, *ARGS, '--min-replicas', '2') for r in (0, 1)]
+            codes = [replicas.process(i).wait(2 * (STARTUP + LOAD_SLACK) + 60) for i in started]
+            assert codes == [0, 0], replicas.describe()
+        finally:
+            replicas.kill_all()
+    done = [line.split(' ', 4)[1:] for i in started for line in replicas.out(i).splitlines() if
+            line.startswith('DONE ')]
+    assert len(done) == 4 and len({d[0] for d in done}) == 1 and len({d[3] for d in done}) == 1, done
