@@ -24,7 +24,6 @@ from _slurm import REQUIRES, START_SECONDS, one_node
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
 from torchbearer_dist.ft import Lighthouse  # noqa: E402 (after the skip)
-from torchbearer_dist.runtime.launcher import free_port  # noqa: E402
 
 pytestmark = REQUIRES
 
@@ -52,12 +51,8 @@ class Job:
         command = 'echo START $$ ${SLURM_RESTART_COUNT:-0}; exec ' + shlex.join(
             python(REPLICA, '--lighthouse', lighthouse, '--replica', str(replica), *ARGS))
         group, export = (), 'ALL,RUST_LOG=warn'
-        if ranks > 1:
-            # Each group's rendezvous port of its own: resolve() takes the job id's port (15000 + its last four
-            # digits) on several nodes only; on one node both jobs met at 127.0.0.1:29500, the second refused
-            # ("port 29500 on 127.0.0.1 is already in use").
+        if ranks > 1:  # each job's group meets on its job id's port (on one node both once met on 29500)
             group, command = ('--ntasks', str(ranks)), 'exec srun bash -c ' + shlex.quote(command)
-            export += ',MASTER_PORT={}'.format(free_port())
         submitted = cluster.run('sbatch', '--parsable', '--requeue', *group, '--open-mode=append',
                                 '--export=' + export, '--job-name',
                                 'r{}'.format(replica), '--chdir', str(tmp_path), '-o', str(self.out), '-e',

@@ -93,6 +93,7 @@ def test_srun_on_one_node_meets_on_loopback():
     env = resolve(backend='gloo', environ=_srun(SLURM_STEP_NUM_NODES='1', SLURM_STEP_NODELIST='node07',
                                                 SLURM_NODEID='0', SLURM_STEP_TASKS_PER_NODE='2'))
     assert (env.host, env.local_world_size) == ('127.0.0.1', 2)
+    assert env.port == 15000 + 4567  # the job's: two jobs of several tasks on one node met on 29500 (helper)
 
 
 def test_srun_on_several_nodes_told_to_meet_at_loopback_fails_at_once():

@@ -243,9 +243,9 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         port = _env_int('MASTER_PORT', environ)
     if host is None and source == 'slurm':
         slurm_host, slurm_port = _slurm.master(environ)[:2]
+        port = slurm_port if port is None else port  # the job's own, on one node too: two jobs may share a node
         if slurm_host is not None:
             host, given = slurm_host, True
-            port = slurm_port if port is None else port
     if host is None and source in _LOCAL_SIZES and local_world_size is not None and local_world_size < world_size \
             and init_method is None:
         sent = _mpi.address(port)
