@@ -84,11 +84,14 @@ def step():
     events, monkeypatch = [], pytest.MonkeyPatch()
 
     class Replica:
-        def __init__(self, *args):
+        def __init__(self, *args, group=None):
             self.manager = _Manager(events)
 
         def start_quorum(self, shrink_only=False):
             events.append(('quorum',))
+
+        def should_commit(self):
+            return self.manager.should_commit()
 
         def shutdown(self):
             pass

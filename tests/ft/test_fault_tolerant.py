@@ -121,3 +121,30 @@ def test_checkpoints_are_written_by_one_live_replica(tmp_path):
                               STARTUP + 120)
     assert replicas.done(0)[0] == replicas.done(1)[0], replicas.describe()
     assert sorted(p.exists() for p in paths) == [False, True], replicas.describe()
+
+
+def test_a_run_that_finds_no_lighthouse_gives_back_the_signal_handlers_it_found():
+    # In this process, as in a notebook: the run installs its Ctrl-C and SIGTERM handlers before it looks for the
+    # lighthouse; where that raised they stayed (the full suite's next test on the worker found SIGINT changed).
+    import socket
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchbearer import Trial
+
+    import torchbearer_dist as tbd
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    trial = Trial(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                  torch.nn.CrossEntropyLoss(),
+                  callbacks=tbd.distributed_callbacks(fault_tolerant='127.0.0.1:{}'.format(port), timeout=0.5))
+    trial.with_generators(DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))))
+    error = None
+    try:
+        trial.run(1, verbose=0)
+    except RuntimeError as caught:
+        error = caught  # its traceback holds the run's state alive, as a notebook's last exception does
+    assert str(error).startswith('the lighthouse at http://127.0.0.1:{} did not answer within 0.5 s'.format(port))
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

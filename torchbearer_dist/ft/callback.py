@@ -152,8 +152,12 @@ class FaultTolerantAllReduce(Callback):
         replica_id = self.replica_id or socket.gethostname().replace(':', '_')
         # Ctrl-C and SIGTERM end this replica within 1.5 s, wherever they land, in one line (see _signals)
         self._signals = _signals.SignalStop(replica_id, lambda: (self._state and self._state(), self._passing))
-        self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
-                               self.timeout, self.host, group=self._local)
+        try:
+            self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
+                                   self.timeout, self.host, group=self._local)
+        except BaseException:  # no lighthouse, say: the signal handlers found at the start go back
+            self._release()
+            raise
         self._clock, self._peers = PauseClock(), 0  # how long this process was stopped; the last quorum's replicas
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
         if self.every_step:

@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
-import torch.distributed as dist
+import torch
 from torch.distributed import TCPStore
 
 from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
@@ -125,6 +125,23 @@ def _transport(host, timeout):
     return transport
 
 
+#: The longest host name or address a replica group's rank 0 sends its other ranks, in bytes (DNS names: 253).
+ADDRESS_BYTES = 256
+
+
+def _share_address(address, group):
+    """Rank 0's ``(host, port)`` (None elsewhere) on every rank of ``group`` (a DistGroup), as tensors: a collective
+    of the package never unpickles what a peer sends."""
+    wire = torch.zeros(ADDRESS_BYTES + 1, dtype=torch.int64)
+    if address is not None:
+        name = address[0].encode()[:ADDRESS_BYTES]
+        wire[:len(name)] = torch.tensor(list(name), dtype=torch.int64)
+        wire[-1] = address[1]
+    group.broadcast(wire).wait()
+    name = [byte for byte in wire[:-1].tolist() if byte]
+    return bytes(name).decode(), int(wire[-1])
+
+
 class Replica:
     """This process as a replica group of one (or as one rank of a replica group of several): a TCPStore, a torchft
     gloo group and a ``torchft.Manager``.
@@ -176,10 +193,10 @@ class Replica:
             self._store = None
             if rank == 0:
                 self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=limit)
-            address = [self.host, self._store.port if self._store is not None else None]
+            address = (self.host, self._store.port) if self._store is not None else None
             if size > 1:
-                dist.broadcast_object_list(address, src=0, group=group.process_group)
-            self.group_rank, self._group_store = rank, tuple(address)
+                address = _share_address(address, group)
+            self.group_rank, self._group_store = rank, address
             self.group = torchft.ProcessGroupGloo(timeout=limit)
             self.manager = torchft.Manager(
                 pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
