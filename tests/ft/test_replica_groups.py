@@ -35,12 +35,13 @@ def test_diloco_with_a_replica_group_of_two_ranks_stops_each_rank_in_one_line_be
         finally:
             replicas.kill_all()
     # each rank its own line, or (a rank still in the group's first collective when the other raised) the other's,
-    # named as the fail-fast mode names a peer's error
+    # named as the fail-fast mode names a peer's error; or none, where torchrun stopped it first (SIGTERM, as soon as
+    # the other rank exited: 1 run in 3 under load)
     lines = [line for line in replicas.err(group).splitlines() if line.startswith('error: ')]
     said = ["the fault-tolerant mode's DiLoCo meetings run one process per replica group, but this process is rank {} "
             'of a group of 2; start each replica alone, or average at every step (no local_steps)'.format(rank)
             for rank in (0, 1)]
-    assert len(lines) == 2 and all(line in ['error: ' + said[0], 'error: ' + said[1]] + [
+    assert 1 <= len(lines) <= 2 and all(line in ['error: ' + said[0], 'error: ' + said[1]] + [
         'error: rank {} failed: RuntimeError: {} (rank {} stopped)'.format(r, said[r], 1 - r) for r in (0, 1)]
         for line in lines), replicas.describe()
     assert 'READY' not in replicas.out(group)  # no Manager, no quorum

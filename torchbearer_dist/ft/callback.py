@@ -146,7 +146,8 @@ class FaultTolerantAllReduce(Callback):
                 raise RuntimeError("the fault-tolerant mode's DiLoCo meetings run one process per replica group, but "
                                    'this process is rank {} of a group of {}; start each replica alone, or average at '
                                    'every step (no local_steps)'.format(self._local.rank(), self._local.size()))
-            self._align_group(state, check=True)  # the group's ranks start alike: rank 0's weights
+            # every rank the same layout, before any network wait; their values are made alike at the first quorum
+            models.check_same_tensors(_held.synchronised(state), 0)
         self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
         self._summed = loss_is_summed(state, self.loss_reduction)
         replica_id = self.replica_id or socket.gethostname().replace(':', '_')
@@ -163,7 +164,7 @@ class FaultTolerantAllReduce(Callback):
         if self.every_step:
             self._gate(state)
         self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
-        if self._local is not None and self.replica.manager.current_step() == 0:
+        if self._local is not None and self.replica.manager.current_step() == 0:  # a group joining later heals
             # torchft's first-step sync (init_sync) takes each rank's weights from the replica at its rank's index in
             # the quorum (rank i from replica i % n): the group's ranks again take those of rank 0, which came from
             # the quorum's first replica, as every group's rank 0 did (SLURM test at min_replicas=2, helper)
@@ -171,13 +172,9 @@ class FaultTolerantAllReduce(Callback):
         self._check_not_alone_again(state)
         self._open = True  # this quorum serves the first step
 
-    def _align_group(self, state, check=False):
-        """Every tensor the Trial holds (models, optimizers' parameters) takes the group's rank 0's values; ``check``:
-        first, that every rank holds the same names, shapes and dtypes (one line naming the first difference)."""
-        entries = _held.synchronised(state)
-        if check:
-            models.check_same_tensors(entries, 0)
-        models.broadcast_tensors([t for _, t in entries], 0)
+    def _align_group(self, state):
+        """Every tensor the Trial holds (models, optimizers' parameters) takes the group's rank 0's values."""
+        models.broadcast_tensors([t for _, t in _held.synchronised(state)], 0)
 
     def _check_not_alone_again(self, state):
         """A launcher's restart (see ``restarted``) alone at its first quorum, nothing healed nor resumed: the
