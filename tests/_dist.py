@@ -12,6 +12,7 @@ import ctypes
 import datetime
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -403,8 +404,34 @@ def python(*args):
     return [sys.executable, *args]
 
 
+def _ephemeral_start():
+    """The first port the kernel hands out to sockets bound to port 0 and to outgoing connections."""
+    try:
+        with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+#: Ports the tests pick from: the 7,000 below the kernel's ephemeral range. A port picked from that range (bind
+#: to port 0) could be taken before the test's server bound it by any of the suite's hundreds of sockets that
+#: the kernel numbers from it (gloo's and torchft's connections, port-0 servers): a launcher then failed at
+#: once, 'address in use' (CI, test_interrupts, 1 run in about 30). Below it only another free_port can clash.
+_PORTS = range(max(1024, _ephemeral_start() - 7000), _ephemeral_start())
+_pick = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port(host='127.0.0.1'):
-    """A TCP port that is free on ``host`` right now (racy by nature: use it at once)."""
+    """A TCP port that is free on ``host`` right now, outside the kernel's ephemeral range (still racy against
+    another process's pick: use it at once)."""
+    for _ in range(100):
+        port = _pick.choice(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

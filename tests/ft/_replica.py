@@ -14,8 +14,13 @@ import os
 import sys
 import time
 
-import torch
-import torchbearer
+# One line per error, as the example (examples/distributed_data_parallel.py) does: torch's C++ log otherwise adds
+# its own, e.g. 'setSequenceNumberForGroup() is deprecated' once a process when torchft configures its first process
+# group, after the replica's line where a signal landed before (test_signals). Set before torch is imported.
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'FATAL')
+
+import torch  # noqa: E402
+import torchbearer  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchbearer import Callback, Trial
 

@@ -9,11 +9,13 @@ import runpy
 import sys
 import time
 
-import torch  # noqa: F401 (the imports this process makes ahead)
-import torchbearer  # noqa: F401
-import torchft  # noqa: F401
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'FATAL')  # before torch is imported, as _replica.py does
 
-import torchbearer_dist  # noqa: F401
+import torch  # noqa: F401,E402 (the imports this process makes ahead)
+import torchbearer  # noqa: F401,E402
+import torchft  # noqa: F401,E402
+
+import torchbearer_dist  # noqa: F401,E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

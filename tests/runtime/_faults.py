@@ -141,7 +141,10 @@ def _wait_for_ranks(launcher, count, timeout=90):
     fd = launcher.stdout.fileno()
     seen = b''
     while seen.count(b'ready') < count:  # ranks print concurrently: lines may interleave
-        assert time.monotonic() < deadline and launcher.poll() is None, 'ranks not ready: {!r}'.format(seen)
+        if launcher.poll() is not None:
+            raise AssertionError('the launcher ended with status {} before {} ranks were ready: {!r}; its stderr: '
+                                 '{}'.format(launcher.returncode, count, seen, launcher.stderr.read()))
+        assert time.monotonic() < deadline, 'ranks not ready: {!r}'.format(seen)
         if select.select([fd], [], [], 0.1)[0]:
             seen += os.read(fd, 4096)
     time.sleep(0.5)
