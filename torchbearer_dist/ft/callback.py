@@ -142,10 +142,6 @@ class FaultTolerantAllReduce(Callback):
         # A process group (torchrun, launch(), srun) is this replica group: its ranks start, fail and heal together.
         self._local = DistGroup() if collectives.world_size() > 1 else None
         if self._local is not None:
-            if not self.every_step:
-                raise RuntimeError("the fault-tolerant mode's DiLoCo meetings run one process per replica group, but "
-                                   'this process is rank {} of a group of {}; start each replica alone, or average at '
-                                   'every step (no local_steps)'.format(self._local.rank(), self._local.size()))
             # every rank the same layout, before any network wait; their values are made alike at the first quorum
             models.check_same_tensors(_held.synchronised(state), 0)
         self._state = weakref.ref(state)  # not kept alive by this callback: a run that raises frees it
@@ -312,15 +308,17 @@ class FaultTolerantAllReduce(Callback):
             finally:
                 self._meets = self._joining = False
             trained = trained and self.heals == heals
-        committed = meeting.meet(self.replica.manager, engine, trained)
+        committed = meeting.meet(engine, self._group(trained), self.replica.should_commit)
         if not committed:
             self._dropped('meeting')
         return committed
 
-    def _group(self):
+    def _group(self, trained=None):
         """Whom this step averages over: the live replicas; with a replica group of several ranks, every rank of
-        the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``)."""
-        quorum = QuorumGroup(self.replica.manager)
+        the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``).
+        ``trained`` (a DiLoCo meeting): whether this replica trained since the last meeting; those that did not
+        (healed since) count for nothing (see ``QuorumGroup``). A group's ranks heal and train together."""
+        quorum = QuorumGroup(self.replica.manager, trained)
         return quorum if self._local is None else HierarchicalGroup(self._local, quorum)
 
     def _dropped(self, what):

@@ -3,13 +3,13 @@
 Every collective is posted from the training thread, in the same order on every rank, so the ranks'
 collectives match without a second process group or thread of our own; gloo's threads carry them.
 They go through a *group* (:mod:`torchbearer_dist.sync.group`): :data:`~torchbearer_dist.sync.group.WORLD` (the
-default process group), or a :class:`~torchbearer_dist.sync.group.QuorumGroup` over the replicas of torchft's
-Manager that trained since the last meeting (the fault-tolerant mode's meetings, :func:`meet`).
+default process group), or the fault-tolerant mode's group of the replicas that trained since the last meeting
+(:func:`meet`, handed it and torchft's commit: no torchft here).
 """
 import torch
 
 from torchbearer_dist.sync import wire
-from torchbearer_dist.sync.group import SUM, WORLD, QuorumGroup
+from torchbearer_dist.sync.group import SUM, WORLD
 
 
 class _Done:
@@ -25,34 +25,48 @@ class _Done:
         return self.values
 
 
-def meet(manager, engine, trained):
-    """A blocking DiLoCo meeting over a torchft quorum already started: the outer step only if torchft commits it.
+def meet(engine, group, commit):
+    """A blocking DiLoCo meeting over ``group``, the outer step taken only if ``commit()`` says so.
 
-    The pseudo-gradients are averaged in fp32 (the parameters' dtype) over the replicas that trained;
-    then ``manager.should_commit()`` decides: committed, the anchor steps and every parameter becomes
-    it; not (a replica lost during the meeting), the meeting is dropped: the anchor stays and every
-    parameter goes back to it, the round's local progress lost on every survivor, like a dropped step.
+    The fault-tolerant mode's meetings (:meth:`FaultTolerantAllReduce.meet
+    <torchbearer_dist.FaultTolerantAllReduce.meet>`): ``group`` is the live replicas that trained since the last
+    meeting (a :class:`~torchbearer_dist.sync.group.QuorumGroup`, or a
+    :class:`~torchbearer_dist.sync.group.HierarchicalGroup` of replica groups of several ranks), ``commit``
+    torchft's decision. The pseudo-gradients are averaged in fp32 (the parameters' dtype) over the group; then,
+    committed, the anchor steps and every parameter becomes it; not (a replica lost during the meeting), the
+    meeting is dropped: the anchor stays and every parameter goes back to it, the round's local progress lost on
+    every survivor, like a dropped step.
+
+    Example:
+
+        .. code-block:: python
+
+            manager.start_quorum()
+            committed = meet(engine, QuorumGroup(manager, trained=True), manager.should_commit)
 
     Args:
-        manager (torchft.Manager): after ``start_quorum()``
         engine (OuterStep): with ``compression=None``, no meeting in flight
-        trained (bool): this replica trained since the last meeting (False: it just healed or started)
+        group: who meets (the group's interface, :mod:`torchbearer_dist.sync.group`); of size 0 where nobody
+            trained since the last meeting (the meeting then only commits)
+        commit (callable): called once the average arrived, on every member: True where every member may step
 
     Returns:
         bool: whether the meeting was committed
 
-    .. warning:: A synchronization point with the replicas of the quorum.
+    .. warning:: A synchronization point with the group's members.
     """
-    engine.group = QuorumGroup(manager, trained)
-    if engine.group.size() > 0:
-        engine.begin()
-        engine.meeting.wait()
-    committed = manager.should_commit()
-    if committed and engine.meeting is not None:
-        engine.finish(carry=False)
-    elif not committed:
-        engine.restart(mid_round=True)
-    engine.group = WORLD
+    engine.group = group
+    try:
+        if group.size() > 0:
+            engine.begin()
+            engine.meeting.wait()
+        committed = commit()
+        if committed and engine.meeting is not None:
+            engine.finish(carry=False)
+        elif not committed:
+            engine.restart(mid_round=True)
+    finally:
+        engine.group = WORLD
     return committed
 
 
