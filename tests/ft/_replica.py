@@ -119,17 +119,17 @@ class Record(Callback):
 
 
 def exit_in_meeting(k):
-    """End the process (``os._exit(3)``) in its ``k``-th DiLoCo meeting, after the quorum, before any collective:
-    a replica lost during that meeting, which its survivors drop."""
+    """End the process (``os._exit(3)``) in its ``k``-th DiLoCo meeting, after the quorum and the count of who
+    trained, before the pseudo-gradients travel: a replica lost during that meeting, which its survivors drop."""
     from torchbearer_dist.sync import meeting
     real, calls = meeting.meet, [0]
 
-    def meet(manager, engine, trained):
+    def meet(engine, group, commit):
         calls[0] += 1
         if calls[0] == k:
             print('EXIT in meeting', k, flush=True)
             os._exit(3)
-        return real(manager, engine, trained)
+        return real(engine, group, commit)
     meeting.meet = meet
 
 
