@@ -4,6 +4,8 @@ ones resolved from the importing module) or ``importlib.import_module``/``__impo
 
 - each layer imports only the layers below it (``LOWER``): ``runtime/`` never ``callbacks/`` or ``sync/``,
   ``sync/`` never torchbearer, nothing inside the package imports its public root ``torchbearer_dist``;
+- no layer below the fault-tolerant mode (``BELOW_FT``: ``callbacks/``, ``checkpoint/``, ``data/``, ``runtime/``,
+  ``sync/``) imports ``ft/``, not even inside a function: ``recipe.py``, above both, joins them;
 - torchbearer is imported only by ``callbacks/``, ``checkpoint/`` and ``_torchbearer.py``;
 - a foreign private name (``torch.nn.modules.batchnorm._BatchNorm``, ``Tqdm._loader`` through ``getattr``,
   ``from torchbearer... import _Checkpointer``, ``torch.distributed.distributed_c10d``) appears only in a private
@@ -26,12 +28,15 @@ LOWER = {
     'sync': {'runtime', '_once'},
     'data': {'sync', 'runtime', '_once'},
     '_torchbearer': {'_once'},
-    'callbacks': {'data', 'sync', 'runtime', '_torchbearer', '_once', 'ft'},
+    'callbacks': {'data', 'sync', 'runtime', '_torchbearer', '_once'},
     'checkpoint': {'data', 'sync', 'runtime', '_torchbearer', '_once'},
-    # The fault-tolerant mode (torchft) builds on the callbacks and checkpoints it plugs into; distributed_callbacks
-    # reaches it only lazily, where the user asks for it (fault_tolerant=...).
+    # The fault-tolerant mode (torchft) builds on the callbacks and checkpoints it plugs into.
     'ft': {'callbacks', 'checkpoint', 'data', 'sync', 'runtime', '_torchbearer', '_once'},
+    # distributed_callbacks: the standard set for either mode, above the callbacks and the fault-tolerant mode.
+    'recipe': {'ft', 'callbacks', 'checkpoint', 'data', 'sync', 'runtime', '_torchbearer', '_once'},
 }
+#: The layers below the fault-tolerant mode: none imports ``torchbearer_dist.ft``, not even lazily (issue 43).
+BELOW_FT = ('callbacks', 'checkpoint', 'data', 'runtime', 'sync')
 #: The layers that may import torchbearer itself.
 TORCHBEARER = {'callbacks', 'checkpoint', '_torchbearer', 'ft'}
 #: Foreign libraries whose private names stay in private modules.
@@ -210,6 +215,27 @@ def test_the_package_keeps_its_layers():
     assert violations(sources) == []
 
 
+def ft_imports(sources):
+    """``module:line imports name`` for each import of ``torchbearer_dist.ft`` by a module of a layer below it."""
+    ft = PACKAGE + '.ft'
+    return ['{}:{} imports {}'.format(module, line, imported)
+            for module, text in sorted(sources.items()) if _layer(module) in BELOW_FT
+            for line, imported in _imports(ast.parse(text), set(sources), module)
+            if imported == ft or imported.startswith(ft + '.')]
+
+
+def test_no_layer_below_ft_imports_it():
+    sources = _package_sources(ROOT)
+    assert set(BELOW_FT) <= {_layer(module) for module in sources}  # the layers still exist: the check is not empty
+    assert ft_imports(sources) == []
+    breach = {'torchbearer_dist.ft.callback': '', 'torchbearer_dist.ft': '', 'torchbearer_dist.recipe':
+              'from torchbearer_dist.ft.callback import FaultTolerantAllReduce\n',  # above ft: allowed
+              'torchbearer_dist.callbacks': 'def f():\n    from torchbearer_dist.ft.callback import A\n',  # lazy
+              'torchbearer_dist.sync.group': 'from .. import ft\n'}  # relative
+    assert ft_imports(breach) == ['torchbearer_dist.callbacks:2 imports torchbearer_dist.ft.callback',
+                                  'torchbearer_dist.sync.group:1 imports torchbearer_dist.ft']
+
+
 def circles(sources):
     """The import circles among the modules of ``sources`` (imports inside functions included): sorted module lists.
 
@@ -285,6 +311,8 @@ def test_nothing_outside_the_package_imports_a_private_module():
     ('torchbearer_dist.sync.buckets', 'from .. import _torchbearer\n', 'sync may import only'),
     ('torchbearer_dist.callbacks.stop', 'from ..checkpoint.files import save_checkpoint\n',
      'callbacks may import only'),
+    ('torchbearer_dist.callbacks.stop', 'def f():\n    from torchbearer_dist.ft.callback import A\n',
+     'callbacks may import only'),  # the fault-tolerant mode is above the callbacks, even lazily
     # importlib, under any spelling, absolute or relative
     ('torchbearer_dist.runtime.group', 'import importlib\nimportlib.import_module("torchbearer_dist.callbacks.stop")\n',
      'runtime may import only'),

@@ -1,5 +1,4 @@
 """torchbearer_dist: make a standard torchbearer Trial train data-parallel by adding callbacks."""
-from torchbearer_dist.callbacks import distributed_callbacks
 from torchbearer_dist.callbacks.broadcast import BroadcastParameters
 from torchbearer_dist.callbacks.comm_report import CommunicationReport
 from torchbearer_dist.callbacks.even_batches import EvenBatches
@@ -16,6 +15,7 @@ from torchbearer_dist.checkpoint.callback import Checkpoint
 from torchbearer_dist.checkpoint.files import load_checkpoint, save_checkpoint
 from torchbearer_dist.data import check_same_data, distributed_loader, distributed_samplers
 from torchbearer_dist.ft import FaultTolerantAllReduce, Lighthouse
+from torchbearer_dist.recipe import distributed_callbacks
 from torchbearer_dist.runtime.env import DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_TIMEOUT, DistEnv, current_env, resolve
 from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, PeerFailedError, Preempted, quiet_peer_failures
 from torchbearer_dist.runtime.group import destroy_process_group, init_process_group, process_group
