@@ -133,8 +133,7 @@ def worker(args):
                          flatten_images=True, fault_tolerant=args.lighthouse,
                          replica_id='replica{}'.format(args.replica),
                          min_replicas=args.min_replicas,
-                         local_steps=args.local_steps,
-                         restarted=getattr(args, 'restarted', None))]
+                         local_steps=args.local_steps)]
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = os.path.join(args.checkpoint_dir, 'mnist_mlp.ckpt')
@@ -239,22 +238,14 @@ def run(args):
 
 def replica_group(args):
     """--world-size ranks on this machine as one replica group of the
-    fault-tolerant mode, started again (up to --max-restarts times) when it
-    loses a rank: the new group heals from the live ones."""
+    fault-tolerant mode, which launch() starts again (up to --max-restarts
+    times, as torchrun would) when it loses a rank: each new rank reads its
+    restart in TORCHELASTIC_RESTART_COUNT and heals from the live groups."""
     args.threads = args.threads or default_threads(args.world_size)
-    for restarts in range(args.max_restarts + 1):
-        args.restarted = True if restarts else None  # None: torchrun's, SLURM's
-        try:
-            return tbd.launch(worker, args.world_size, args=(args,),
-                              host='127.0.0.1', timeout=args.timeout,
-                              rendezvous_timeout=args.rendezvous_timeout)[0]
-        except RuntimeError as error:  # a rank failed or was lost, as
-            if restarts == args.max_restarts:  # torchrun restarts on any
-                raise
-            print('the replica group stopped ({}); starting it again '
-                  '({} of {})'.format(str(error).splitlines()[0],
-                                      restarts + 1, args.max_restarts),
-                  file=sys.stderr, flush=True)
+    return tbd.launch(worker, args.world_size, args=(args,),
+                      host='127.0.0.1', timeout=args.timeout,
+                      rendezvous_timeout=args.rendezvous_timeout,
+                      max_restarts=args.max_restarts)[0]
 
 
 def launched(group):

@@ -1,7 +1,8 @@
 """One replica of the fault-tolerant tests: a small Trial whose every step goes through torchft's Manager.
 
 Started by a launcher of several ranks (``torchrun --nproc-per-node k``), it is one rank of a replica group of k:
-its process group is the group's, and it trains shard ``replica * k + rank`` of ``replicas * k``.
+its process group is the group's, and it trains shard ``replica * k + rank`` of ``replicas * k``. With ``--launch k``
+it is that launcher itself: ``torchbearer_dist.launch`` of k ranks, ``--max-restarts R``.
 
 Prints ``STEP epoch batch`` after each step, and ``BUFFERS <buffers hash>`` then ``DONE <weights hash> <heals> <pid>
 <metrics>`` at the end; an error ends it with one line on stderr and status 1. With ``--record PATH`` the user's own
@@ -172,13 +173,22 @@ def main():
     parser.add_argument('--exit-at', type=int, help="end the process (os._exit(3)) after this process's N-th step")
     parser.add_argument('--exit-in-meeting', type=int, help='end the process in its N-th DiLoCo meeting (its quorum '
                         'formed, nothing sent)')
+    parser.add_argument('--launch', type=int, help='start this many ranks, one replica group, with launch()')
+    parser.add_argument('--max-restarts', type=int, default=0, help="--launch's max_restarts")
     args = parser.parse_args()
-    if tbd.resolve().world_size > 1:  # one rank of a replica group: its launcher's process group (torchrun's,
+    if args.launch:  # launch()'s restarts: each new rank finds its start in TORCHELASTIC_RESTART_COUNT
+        tbd.launch(launched, args.launch, args=(args,), max_restarts=args.max_restarts)
+    elif tbd.resolve().world_size > 1:  # one rank of a replica group: its launcher's process group (torchrun's,
         # launch()'s, or an srun of several tasks: SLURM_NTASKS, no WORLD_SIZE)
         with tbd.process_group():
             train(args, tbd.get_world_size(), tbd.get_rank())
     else:
         train(args)
+
+
+def launched(args):
+    """A rank of ``--launch``, inside the process group launch() made."""
+    train(args, tbd.get_world_size(), tbd.get_rank())
 
 
 def train(args, group_size=1, rank=0):

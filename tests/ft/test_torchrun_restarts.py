@@ -1,5 +1,5 @@
 """A replica restarted by torchrun rejoins live (issue 33, item 3; a replica group of two ranks, issue 43): the
-fault-tolerant mode under ``--max-restarts``.
+fault-tolerant mode under ``--max-restarts``, and under ``launch(max_restarts=R)``, which follows torchrun's policy.
 
 Each of two replicas is its own ``torchrun --standalone --nproc-per-node 1 --max-restarts 2`` job of
 tests/ft/_replica.py (``distributed_callbacks(fault_tolerant=...)``, world size 1 in torchrun's
@@ -11,11 +11,16 @@ With ``--nproc-per-node 2`` each replica is a replica group of two ranks (their 
 rank of replica 1 is killed, torchrun stops the other and starts the group again, whose two new ranks heal, each
 from the same rank of replica 0; all four ranks end bit-identical, with the same metrics.
 
+``group-of-two-under-launch`` runs the same scenario with each replica a ``launch(world_size=2, max_restarts=3)``
+of tests/ft/_replica.py itself (``--launch 2``): launch() stops the group's other rank and starts both again, each
+with ``TORCHELASTIC_RESTART_COUNT`` set, as torchrun does.
+
 torchrun starts each worker in a session of its own, so killing an agent's session leaves its worker
 running: :func:`_stop` stops the agent first (no new worker can start), then kills it and every worker's
 session, and the test checks that nothing of them is left.
 """
 import os
+import re
 import signal
 import time
 
@@ -51,10 +56,28 @@ class Torchrun:
         return [*TORCHRUN, '--standalone', '--nproc-per-node', str(self.ranks), '--max-restarts', str(self.restarts),
                 '--monitor-interval', '0.2', *argv[1:]]  # argv[0] is this Python, which TORCHRUN runs
 
+    @staticmethod
+    def workers(agent):
+        """The pids of the live workers of torchrun agent ``agent`` (a process), sorted."""
+        return sorted(pid for pid in children(agent.pid) if '_replica.py' in cmdline(pid))
 
-def _workers(agent):
-    """The pids of the live workers of torchrun agent ``agent`` (a process), sorted."""
-    return sorted(pid for pid in children(agent.pid) if '_replica.py' in cmdline(pid))
+
+class Launch:
+    """The same hook for a replica that is :func:`torchbearer_dist.launch` of ``ranks`` ranks (a replica group) with
+    ``max_restarts=restarts``: tests/ft/_replica.py itself, ``--launch``."""
+
+    links = ('lo', 'lo')
+
+    def __init__(self, ranks=2, restarts=3):
+        self.ranks, self.restarts = ranks, restarts
+
+    def command(self, replica, argv):
+        return [*argv, '--launch', str(self.ranks), '--max-restarts', str(self.restarts)]
+
+    @staticmethod
+    def workers(agent):
+        """The pids of the live ranks of launcher ``agent``, sorted: its spawned children (not its resource tracker)."""
+        return sorted(pid for pid in children(agent.pid) if 'spawn_main' in cmdline(pid))
 
 
 def _done(replicas, i):
@@ -78,9 +101,11 @@ def _stop(agents, workers):
 
 @pytest.mark.slow
 @pytest.mark.timeout(HARD_TIMEOUT + 30)  # a backstop only: the waits below end the test by HARD_TIMEOUT
-@pytest.mark.parametrize('ranks,kill_after', [(1, 20), (2, 15)], ids=['one-rank', 'group-of-two'])
-def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identical(tmp_path, ranks, kill_after):
+@pytest.mark.parametrize('hosts,kill_after', [(Torchrun(1), 20), (Torchrun(2), 15), (Launch(2, 3), 15)],
+                         ids=['one-rank', 'group-of-two', 'group-of-two-under-launch'])
+def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identical(tmp_path, hosts, kill_after):
     end = time.monotonic() + HARD_TIMEOUT
+    ranks = hosts.ranks
 
     def within(seconds):
         return max(1.0, min(seconds, end - time.monotonic()))
@@ -88,7 +113,7 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
     start, gate = str(tmp_path / 'start'), str(tmp_path / 'gate')
     workers = set()
     with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=15.0, heartbeat_timeout=2.0) as lighthouse:
-        replicas = Replicas(tmp_path, lighthouse.address, hosts=Torchrun(ranks))
+        replicas = Replicas(tmp_path, lighthouse.address, hosts=hosts)
         try:
             # Replica 1 first, held after its first step until replica 0 is up: neither trains far alone (a
             # torchrun job starts its Pythons seconds apart under load), and replica 0 joins it at its next step.
@@ -100,7 +125,7 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
             open(start, 'w').close()
             replicas.wait_for(lambda: min(replicas.steps(survivor), replicas.steps(restarted)) >= ranks * kill_after,
                               within(STARTUP))
-            first = {i: _workers(replicas.process(i)) for i in (survivor, restarted)}
+            first = {i: hosts.workers(replicas.process(i)) for i in (survivor, restarted)}
             workers |= {pid for pids in first.values() for pid in pids}
             assert [len(pids) for pids in first.values()] == [ranks, ranks], replicas.describe()
 
@@ -109,10 +134,10 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
             replicas.wait_for(lambda: replicas.steps(survivor) - before >= ranks * 3, within(LOST_BOUND + LOAD_SLACK))
             print('the survivor went on {:.1f} s after the kill'.format(time.monotonic() - killed_at))
 
-            # torchrun's agent stops the group's other workers and starts new ones (its start gate open): each
-            # heals from the same rank of the survivor, which waits at its step 40.
+            # torchrun's agent (or launch()) stops the group's other workers and starts new ones (its start gate
+            # open): each heals from the same rank of the survivor, which waits at its step 40.
             replicas.wait_for(lambda: replicas.out(restarted).count('READY') == 2 * ranks, within(STARTUP + LOAD_SLACK))
-            second = _workers(replicas.process(restarted))
+            second = hosts.workers(replicas.process(restarted))
             workers |= set(second)
             assert len(second) == ranks and not set(second) & set(first[restarted]), (second, replicas.describe())
             open(gate, 'w').close()
@@ -124,6 +149,7 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
             _stop([process for process, _, _ in replicas.started], workers)
             replicas.kill_all()
     assert not [pid for sid in workers for pid in session(sid)], 'a worker outlived the test'
+    assert not [pid for process, _, _ in replicas.started for pid in session(process.pid)], 'a rank outlived the test'
 
     done = {i: _done(replicas, i) for i in (survivor, restarted)}  # per rank: weights hash, heals, pid, metrics
     # The survivor's workers never restarted: one start each, and their DONE lines come from the first workers.
@@ -139,6 +165,12 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
     every = done[survivor] + done[restarted]
     assert len({d[0] for d in every}) == 1, done
     assert len({d[3] for d in every}) == 1, done
+    if isinstance(hosts, Launch):  # launch()'s one line for its restart, naming the killed rank (or its peer's error)
+        lines = {i: [line for line in replicas.err(i).splitlines() if 'again (restart' in line]
+                 for i in (survivor, restarted)}
+        assert lines[survivor] == [] and len(lines[restarted]) == 1, replicas.describe()
+        assert re.fullmatch(r'torchbearer_dist: rank [01] .*; starting the 2 ranks again \(restart 1 of 3\)',
+                            lines[restarted][0]), lines
 
 
 @pytest.mark.slow

@@ -4,9 +4,11 @@ Every path that ends a rank asks :func:`decide`: the heartbeat's thread when it 
 (``HEARTBEAT``), the main thread when the handshake or gloo's connect failed (``JOIN``), when the program's
 block raised (``RUN``) or ended while a peer fell silent (``LEAVE``), and the Ctrl-C watcher when the main
 thread did not take a Ctrl-C in time (``INTERRUPT``); :func:`first_failure` asks it for
-:func:`~torchbearer_dist.launch`. The live group (:mod:`._live`) gathers the :class:`Facts` and acts on the
-:class:`Decision`; the causes' words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s."""
+:func:`~torchbearer_dist.launch`, which asks :func:`restarts_after` whether to start its ranks again. The live
+group (:mod:`._live`) gathers the :class:`Facts` and acts on the :class:`Decision`; the causes' words are
+:mod:`._diagnosis`'s, the waits :mod:`._timing`'s."""
 import os
+import signal
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -204,3 +206,13 @@ def first_failure(states, exitcodes, preempted_status):
         return None
     return ([r for r in unfinished if states[r] == 'own'] + [r for r in died if states[r] is None] +
             [r for r in unfinished if states[r] == 'peer'] + unfinished)[0]
+
+
+def restarts_after(ending, interrupted_status=130):
+    """Whether ``launch(max_restarts=R)``, its restarts not yet spent, starts every rank again after a start that
+    failed (``ending``: :class:`~torchbearer_dist.runtime._supervisor.Ending`). After any failure of a rank, as
+    torchrun does, even an error that will recur; not after the user's stop (a pre-emption signal to the launcher,
+    a root cause ended by Ctrl-C: the status ``interrupted_status`` a rank exits with, or SIGINT), the deadline, or
+    a failure to start the ranks at all (torchrun's agent does not restart that either)."""
+    return ending.watched and not (ending.preempted or ending.deadline or
+                                   ending.status in (interrupted_status, -signal.SIGINT))

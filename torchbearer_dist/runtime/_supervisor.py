@@ -2,6 +2,7 @@
 loop that collects the reports, stops the others after the first failure, names the root cause
 (:func:`~torchbearer_dist.runtime._decision.first_failure`), and stops a frozen last rank."""
 import collections
+import dataclasses
 import os
 import pickle
 import signal
@@ -162,16 +163,31 @@ def _stalled(marks, rank, pid, now, bound):
     return now - since > bound - (Timing.STOPPED_EARLY if state in ('T', 't') else 0.0)
 
 
-def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
-    """Watch the ranks until they end: what each returned, in rank order, or the root cause's error raised."""
+@dataclasses.dataclass
+class Ending:
+    """What :func:`supervise` saw of a start of the ranks that did not succeed: the facts that launch's restart
+    policy reads (:func:`~torchbearer_dist.runtime._decision.restarts_after`)."""
+    watched: bool = False  # every rank started and was watched: a failure to start one (its function not picklable)
+    # is the launcher's own
+    preempted: bool = False  # a pre-emption signal reached the launcher (and was passed on to the ranks)
+    deadline: bool = False  # the deadline passed, and the ranks still running were stopped
+    status: int = None  # the exit status of the rank named as the root cause (None: it was still running)
+
+
+def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr, started=None, ending=None):
+    """Watch the ranks until they end: what each returned, in rank order, or the root cause's error raised.
+    ``started``: when the ``deadline``'s clock started (:func:`time.monotonic`; now by default); ``ending``: an
+    :class:`Ending` that learns why, when the ranks did not all succeed."""
     reports = {}
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
+    ending = Ending() if ending is None else ending
+    ending.watched = True
     failed_at = None
     forwarded = False
     marks = {}  # for _stalled
     while True:
         if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
-            forwarded = True
+            forwarded = ending.preempted = True
             for process in processes:
                 if process.exitcode is None:
                     os.kill(process.pid, signal.SIGTERM)
@@ -193,6 +209,7 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
                                    'meanwhile: it is frozen (stopped by a signal, or stuck in native code); '
                                    'stopped it'.format(stalled[0], last_rank_bound))
         if deadline is not None and time.monotonic() - started > deadline:
+            ending.deadline = True
             raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
                 running, deadline))
         connection.wait([p.sentinel for p in processes] + pipes, timeout=Timing.CHILDREN_POLL)
@@ -204,7 +221,9 @@ def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr):
     rank = first_failure(states, [p.exitcode for p in processes], interrupts.EXIT_PREEMPTED)
     if rank is None:
         raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
+    ending.status = processes[rank].exitcode
     stop(processes)
+    ending.preempted = ending.preempted or interrupts.preemption_requested() is not None
     if reports.get(rank) is None:
         stderr.drain()
     raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank))
