@@ -73,6 +73,20 @@ def digest(tensors):
     return hashlib.sha256(b''.join(t.detach().contiguous().numpy().tobytes() for t in tensors)).hexdigest()
 
 
+class StopAt(Callback):
+    """A user's callback that stops this process's training after the step at ``(epoch, batch)`` (None: never),
+    as a time budget or TerminateOnNaN on one replica would: every replica must stop after the same step."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = tuple(at) if at else None
+
+    def on_step_training(self, state):
+        if (state[torchbearer.EPOCH], state[torchbearer.BATCH]) == self.at:
+            say('STOP asked at', *self.at)
+            state[torchbearer.STOP_TRAINING] = True
+
+
 class ExitAt(Callback):
     """Ends the process at once (``os._exit``, as a kill would: no cleanup) after the run's ``step``-th training
     step, counted from this process's start, after every other callback of that step (None: never)."""
@@ -170,6 +184,8 @@ def main():
     parser.add_argument('--batchnorm', action='store_true', help='a BatchNorm1d in the model')
     parser.add_argument('--every-steps', type=int, help="--checkpoint's step checkpoints: every this many steps")
     parser.add_argument('--resume', type=str, help='load_checkpoint this file before the run')
+    parser.add_argument('--stop-at', type=int, nargs=2, metavar=('EPOCH', 'BATCH'),
+                        help="a callback of this replica's rank 0 stops training after that step")
     parser.add_argument('--exit-at', type=int, help="end the process (os._exit(3)) after this process's N-th step")
     parser.add_argument('--exit-in-meeting', type=int, help='end the process in its N-th DiLoCo meeting (its quorum '
                         'formed, nothing sent)')
@@ -210,7 +226,7 @@ def train(args, group_size=1, rank=0):
     before, after = (ClipGradients(0.25), Record()) if args.record else (Callback(), Callback())
     trial = Trial(net, optimizer, torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
                   callbacks=[Progress(args.sleep, args.gate, args.gate_step), before, *callbacks, after,
-                             ExitAt(args.exit_at)])
+                             ExitAt(args.exit_at), StopAt(args.stop_at if rank == 0 else None)])
     trial.with_generators(loader)
     if args.resume:
         tbd.load_checkpoint(args.resume, trial=trial)

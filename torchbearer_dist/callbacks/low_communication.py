@@ -119,7 +119,9 @@ class DiLoCo(Callback):
         self._fresh = self._armed = False  # _fresh: the first training pass of a run
         self._flag = StopFlag()
         self._stop_asked = self._stop_arrived = False  # this rank's request for the next flag; the flag's answer
-        self._agreement = StopAgreement(self, carrier=self)  # held, not inherited: this callback carries its stops
+        # Held, not inherited: this callback carries its stops; through torchft's meetings, over the live replicas
+        # (a request made during a round is agreed at the pass's end: no stop flag travels at each step there).
+        self._agreement = StopAgreement(self, carrier=self, group=None if meetings is None else meetings.group)
 
     def on_start(self, state):
         self._remove_hook()
@@ -227,9 +229,9 @@ class DiLoCo(Callback):
         self._stop_arrived = self._flag.drain() or self._stop_arrived  # every flag still in flight
         if self.engine is None:
             return
-        last = state[torchbearer.EPOCH] + 1 >= state[torchbearer.MAX_EPOCHS] or state[torchbearer.STOP_TRAINING] or \
-            self._stop_arrived or self._agreement.requested
-        if collectives.any_rank(last):  # the run's last pass: one model, every rank's progress in it
+        final = state[torchbearer.EPOCH] + 1 >= state[torchbearer.MAX_EPOCHS]  # alike on every rank
+        asked = state[torchbearer.STOP_TRAINING] or self._stop_arrived or self._agreement.requested
+        if final or self._agreement.any(asked):  # the run's last pass: one model, every rank's progress in it
             if self.inner_steps > 0 or self.engine.meeting is not None:
                 self._outer_step(state)
             return

@@ -63,6 +63,8 @@ def _callback_states(callbacks):
     states = callbacks.state_dict()[torchbearer.callbacks.CallbackList.CALLBACK_STATES]
     entries = []
     for callback, state in zip(list(callbacks), states):
+        if getattr(callback, 'transient', False):  # appended for a run by the package (the stop agreement's)
+            continue
         # TorchScheduler saves no state of the torch scheduler it keeps privately; it is the only way to it.
         scheduler = _torchbearer.torch_scheduler(callback)
         scheduler = None if scheduler is None else scheduler.state_dict()
@@ -159,7 +161,7 @@ def _keepers(callbacks):
 
 
 def _restore_callbacks(trial, entries, position=None, rng=None):
-    callbacks = list(trial.state[torchbearer.CALLBACK_LIST])
+    callbacks = [c for c in trial.state[torchbearer.CALLBACK_LIST] if not getattr(c, 'transient', False)]
     names = [_name(c) for c in callbacks]
     if names != [e['type'] for e in entries] and collectives.rank() == 0:  # other ranks silence output callbacks
         warnings.warn("the Trial's callbacks differ from those saved ({} saved, {} now); each state is restored only "

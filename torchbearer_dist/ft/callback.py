@@ -13,6 +13,7 @@ from torchbearer_dist.callbacks._batches import batch_size
 from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
+from torchbearer_dist.callbacks._stop_agreement import StopAgreement
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
@@ -54,7 +55,9 @@ class FaultTolerantAllReduce(Callback):
 
     At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
     figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
-    replica, where :class:`~torchbearer_dist.Checkpoint` writes.
+    replica, where :class:`~torchbearer_dist.Checkpoint` writes. A stop that any callback sets on any replica
+    (``state[STOP_TRAINING]``) stops every live replica after the same committed step: it rides in the next
+    step's gradient buckets (with DiLoCo's meetings, it is agreed at the end of the pass).
 
     Example:
 
@@ -89,7 +92,9 @@ class FaultTolerantAllReduce(Callback):
     State Requirements:
         - :attr:`torchbearer.state.MODEL`, :attr:`torchbearer.state.OPTIMIZER` and any other held module
           or optimizer: averaged, gated and healed
-        - :attr:`torchbearer.state.HISTORY`, :attr:`torchbearer.state.CALLBACK_LIST`: healed
+        - :attr:`torchbearer.state.HISTORY`, :attr:`torchbearer.state.CALLBACK_LIST`: healed; the stop
+          agreement's companion is appended to the list for each run
+        - :attr:`torchbearer.state.STOP_TRAINING`: read and set (a stop held until every replica has it)
 
     .. warning:: A synchronization point at every step, with the lighthouse and the live replicas.
     """
@@ -117,6 +122,9 @@ class FaultTolerantAllReduce(Callback):
         self._restart = None  # that position, from a heal mid-run until the run begins again there
         self._quorum = self._refusal = None  # the last quorum voted in; why a heal's payload was not loaded
         self._news = []  # the lines of a heal, said once the quorum's vote let this replica in
+        # A stop set by a callback on any replica ends every live replica after the same committed step (the
+        # request rides in the gradient buckets' stop slot); DiLoCo's meetings hold their own agreement.
+        self._agreement = StopAgreement(self, carrier=self, group=self.group)
         self._reset()
 
     def _reset(self):
@@ -246,6 +254,8 @@ class FaultTolerantAllReduce(Callback):
             raise RuntimeError('this run of the Trial began without joining the replicas (its on_start found the '
                                'loader of an earlier pass in state[generator]: after a run that raised?); call '
                                'trial.run() in a new process, or build the Trial again')
+        if self.every_step:
+            self._agreement.open_run(state)
         pending, self._pending = self._pending, None
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
@@ -312,6 +322,32 @@ class FaultTolerantAllReduce(Callback):
         if not committed:
             self._dropped('meeting')
         return committed
+
+    def group(self):
+        """Whom this replica agrees with now (a stop, DiLoCo's last pass): the live replicas, every rank of the
+        live groups (the interface of :mod:`torchbearer_dist.sync.group`); None where it talks to nobody: outside
+        a run, or in a run that ends after this step to begin again at its healer's position."""
+        return None if self.replica is None or self._restart is not None else self._group()
+
+    # --- the stop carrier (callbacks/stop.py): a stop request rides in the last bucket's stop slot ---------------
+
+    def _after_step(self, state):
+        """Called by the stop agreement's companion after every other callback of the step: nothing left to do
+        (the buckets were disarmed at ``on_step_training``)."""
+
+    def _carried_stop(self):
+        """Whether this step's gradients brought a stop request, in a step torchft committed (then every replica of
+        the step has it); None without buckets."""
+        buckets = self._buckets
+        if buckets is None:
+            return None
+        return bool(buckets.synced and buckets.stop and self._commit)
+
+    def _request_stop(self):
+        self._buckets.request_stop()
+
+    def _change_word(self, state):
+        return False  # the trainable set is followed at each pass's start (on_start_training), not within one
 
     def _group(self, trained=None):
         """Whom this step averages over: the live replicas; with a replica group of several ranks, every rank of
@@ -433,6 +469,7 @@ class FaultTolerantAllReduce(Callback):
 
     def on_end(self, state):
         _torchbearer.forget_loader(state)  # after run(), evaluate() or predict(): the next on_start tells them apart
+        self._agreement.close_run(state)
         if self._state is None or self._state() is not state:
             return
         if self._restart is not None and self.replica is not None:
