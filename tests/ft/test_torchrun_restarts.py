@@ -101,9 +101,12 @@ def _stop(agents, workers):
 
 @pytest.mark.slow
 @pytest.mark.timeout(HARD_TIMEOUT + 30)  # a backstop only: the waits below end the test by HARD_TIMEOUT
-@pytest.mark.parametrize('hosts,kill_after', [(Torchrun(1), 20), (Torchrun(2), 15), (Launch(2, 3), 15)],
-                         ids=['one-rank', 'group-of-two', 'group-of-two-under-launch'])
-def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identical(tmp_path, hosts, kill_after):
+@pytest.mark.parametrize('hosts,kill_after,extra', [
+    (Torchrun(1), 20, ()), (Torchrun(2), 15, ()), (Launch(2, 3), 15, ()),
+    (Torchrun(2), 15, ('--local-steps', '4')),  # DiLoCo's meetings over the groups: the heal at a meeting's quorum
+], ids=['one-rank', 'group-of-two', 'group-of-two-under-launch', 'group-of-two-diloco'])
+def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identical(tmp_path, hosts, kill_after,
+                                                                                    extra):
     end = time.monotonic() + HARD_TIMEOUT
     ranks = hosts.ranks
 
@@ -118,9 +121,9 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
             # Replica 1 first, held after its first step until replica 0 is up: neither trains far alone (a
             # torchrun job starts its Pythons seconds apart under load), and replica 0 joins it at its next step.
             # Each of their ranks prints its own STEP and READY lines.
-            restarted = replicas.start(1, *ARGS, '--gate', start, '--gate-step', '1')
+            restarted = replicas.start(1, *ARGS, *extra, '--gate', start, '--gate-step', '1')
             replicas.wait_for(lambda: replicas.steps(restarted) >= ranks, within(STARTUP + LOAD_SLACK))
-            survivor = replicas.start(0, *ARGS, '--gate', gate, '--gate-step', '40')  # held for the restart
+            survivor = replicas.start(0, *ARGS, *extra, '--gate', gate, '--gate-step', '40')  # held for the restart
             replicas.wait_for(lambda: replicas.out(survivor).count('READY') == ranks, within(STARTUP + LOAD_SLACK))
             open(start, 'w').close()
             replicas.wait_for(lambda: min(replicas.steps(survivor), replicas.steps(restarted)) >= ranks * kill_after,
