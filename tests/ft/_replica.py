@@ -239,7 +239,8 @@ def train(args, group_size=1, rank=0):
         torch.save({'initial': initial, 'start': after.start, 'final': net.state_dict(), 'losses': after.losses,
                     'clipped': before.norms, 'norms': after.norms, 'history': history,
                     'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps,
-                    'buffer_anchor': diloco and diloco.engine.buffer_anchor}, args.record)
+                    'buffer_anchor': diloco and diloco.engine.buffer_anchor},
+                   args.record if group_size == 1 else '{}.rank{}'.format(args.record, rank))  # a group: each rank's
     say('EPOCHS', len(history), 'RESTARTS', ft.restarts)
     say('BUFFERS', digest(net.buffers()))
     say('DONE', digest(net.parameters()), ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True))

@@ -71,19 +71,21 @@ class Replicas:
             process.wait()
 
 
-def train_together(tmp_path, args, deadline):
+def train_together(tmp_path, args, deadline, hosts=None):
     """Replicas ``0 .. len(args) - 1``, replica ``r`` with the options ``args[r]``, all in every quorum from the
-    first step (a lighthouse of ``min_replicas=len(args)``) to the end of their runs, each ending with status 0.
+    first step (a lighthouse of ``min_replicas=len(args)``) to the end of their runs, each ending with status 0;
+    with ``hosts``, each replica runs where :class:`Replicas` puts it (a launcher of a replica group, say).
 
     Returns:
         Replicas: the replicas, all ended, replica ``r`` at index ``r``
     """
     from torchbearer_dist.ft import Lighthouse
     with Lighthouse(bind='127.0.0.1:0', min_replicas=len(args), join_timeout=15.0, heartbeat_timeout=2.0) as server:
-        replicas = Replicas(tmp_path, server.address)
+        replicas = Replicas(tmp_path, server.address, hosts=hosts)
         try:
             started = [replicas.start(r, '--replicas', str(len(args)), *own) for r, own in enumerate(args)]
-            replicas.wait_for(lambda: all(replicas.done(i) for i in started), deadline)
+            replicas.wait_for(lambda: all(replicas.process(i).poll() is not None or
+                                          (hosts is None and replicas.done(i)) for i in started), deadline)
             assert all(replicas.process(i).wait(30) == 0 for i in started), replicas.describe()
         finally:
             replicas.kill_all()
