@@ -164,6 +164,11 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
     steps = 120 // ranks  # a whole run's, per rank
     assert 'READY'.join(replicas.out(restarted).split('READY')[ranks + 1:]).count('STEP ') < ranks * (
         steps - kill_after), replicas.describe()
+    # One event line per replica group (its rank 0's), not one per rank: each heal and dropped step named once.
+    for i in (survivor, restarted):
+        said = [line if ' healed ' in line else line.rsplit(':', 1)[0]  # a dropped step's cause: each rank's own
+                for line in replicas.err(i).splitlines() if ' healed ' in line or ' dropped the ' in line]
+        assert said and len(said) == len(set(said)), replicas.err(i)  # both heal: the survivor joined replica 1
     # Bit-identical weights on every rank of both replicas, and the same global metrics.
     every = done[survivor] + done[restarted]
     assert len({d[0] for d in every}) == 1, done

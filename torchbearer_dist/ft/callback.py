@@ -217,7 +217,7 @@ class FaultTolerantAllReduce(Callback):
         self.writer = self._state()[WRITER] = self._group().rank() == 0
         news, self._news = self._news, []
         for line in news:  # a heal's, once the vote let this replica in
-            _events.say(line)
+            self._say(line)
 
     def _vote(self, trained):
         """At a quorum of new membership, every replica's configuration through one all-reduce (see ``_vote``):
@@ -244,7 +244,7 @@ class FaultTolerantAllReduce(Callback):
             self._release()  # out of the quorums at once: the others take a new one without this replica
             raise _heal.Refused(refusal if refusal is not None and trainers else refused[rank])
         if refused:
-            _events.say('replica {} goes on without rank{} {} of the quorum (refused: another configuration, or a '
+            self._say('replica {} goes on without rank{} {} of the quorum (refused: another configuration, or a '
                         'replica_id taken)'.format(self.replica.replica_id, 's' * (len(refused) > 1),
                                                    ', '.join(str(r) for r in sorted(refused))))
         return bool(refused) or refusal is not None
@@ -349,6 +349,12 @@ class FaultTolerantAllReduce(Callback):
     def _change_word(self, state):
         return False  # the trainable set is followed at each pass's start (on_start_training), not within one
 
+    def _say(self, line):
+        """One event line per replica: said by rank 0 of a replica group, whose ranks decide every step, heal and
+        comparison alike (k copies of each line before)."""
+        if self._local is None or self._local.rank() == 0:
+            _events.say(line)
+
     def _group(self, trained=None):
         """Whom this step averages over: the live replicas; with a replica group of several ranks, every rank of
         the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``).
@@ -362,7 +368,7 @@ class FaultTolerantAllReduce(Callback):
         state, error = self._state(), self.replica.manager.errored()
         why = 'another replica failed it, or too few replicas were live' if error is None else \
             str(getattr(error, 'original_exception', error)).strip()
-        _events.say('replica {} dropped the {} at epoch {}, batch {} on every replica: {}'.format(
+        self._say('replica {} dropped the {} at epoch {}, batch {} on every replica: {}'.format(
             self.replica.replica_id, what, state[torchbearer.EPOCH], state[torchbearer.BATCH],
             (why.splitlines() or ['?'])[0][:200]))
 

@@ -299,8 +299,9 @@ class Replica:
     def _on_watch(self, event):
         """On the watch's thread: the lighthouse back (a line), or lost (the main thread's quorum ends in the line)."""
         if event[0] == 'back':
-            _events.say('replica {} found the lighthouse at {} again after {:.1f} s without an answer (restarted?); '
-                        'training goes on'.format(self.replica_id, self.lighthouse, event[1]))
+            if not self.group_rank:  # one line per replica group
+                _events.say('replica {} found the lighthouse at {} again after {:.1f} s without an answer '
+                            '(restarted?); training goes on'.format(self.replica_id, self.lighthouse, event[1]))
             return
         _, observation, what, _ = event
         self._failure = RuntimeError(lost_line(self.lighthouse, observation, what, self.timeout))
