@@ -10,7 +10,7 @@ trained by a Trial with :func:`torchbearer_dist.distributed_callbacks`, 2 ranks 
 per rank. Three kinds of run, interleaved repeat by repeat:
 
 - *check on*: the package as it is. Every call of the check that a training step makes (at
-  ``on_sample`` and at each forward pass: :meth:`AllReduceGradients._sense`, one ``requires_grad`` read
+  ``on_sample`` and at each forward pass: :meth:`TrainableSet.sense`, one ``requires_grad`` read
   per parameter and one length per param group) is timed inside the run; the per-step figure is the
   sum of a step's calls;
 - *check off*: the same, with the check replaced by one that sees nothing (the wall-time difference
@@ -38,6 +38,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 import torchbearer_dist
 from torchbearer_dist.callbacks.gradients import AllReduceGradients
 
+#: The object of AllReduceGradients that senses a change (its module is private: reached through the callback).
+TrainableSet = type(AllReduceGradients().trainable_set)
 BATCH = 32
 UNFREEZE_AT = 10
 
@@ -104,9 +106,9 @@ _RECOMPUTE = []
 def _worker(repeats):
     torch.set_num_threads(1)
     dataset = load_mnist_5k_flat()[0]
-    sense = _Timed(AllReduceGradients._sense)
+    sense = _Timed(TrainableSet.sense)
     follow = _Timed(AllReduceGradients._follow, barrier=True)
-    AllReduceGradients._sense, AllReduceGradients._follow = sense, follow
+    TrainableSet.sense, AllReduceGradients._follow = sense, follow
     blind = lambda self, state: False  # noqa: E731  (the check that sees nothing)
     _run(dataset, 'on', 0)  # warm-up
     sense.durations, follow.durations, _RECOMPUTE[:] = [], [], []
@@ -115,11 +117,11 @@ def _worker(repeats):
     for repeat in range(repeats):
         order = ('on', 'off', 'unfreeze') if repeat % 2 == 0 else ('unfreeze', 'off', 'on')
         for kind in order:
-            AllReduceGradients._sense = blind if kind == 'off' else sense
+            TrainableSet.sense = blind if kind == 'off' else sense
             calls = len(sense.durations)
             seconds, steps = _run(dataset, kind, 200 if kind == 'on' else 0)
             runs[kind].append((seconds, len(sense.durations) - calls))
-    AllReduceGradients._sense = sense
+    TrainableSet.sense = sense
     return {'runs': runs, 'steps': steps, 'sense': statistics.median(sense.durations),
             'follow': statistics.median(follow.durations), 'follows': len(follow.durations) // repeats,
             'recompute': statistics.median(_RECOMPUTE),

@@ -1,8 +1,9 @@
 """Gradient averaging in a Trial: :class:`AllReduceGradients`, a thin callback over the bucket engine.
 
-The engine, :mod:`torchbearer_dist.sync.buckets`, needs no torchbearer. Two parts of the callback live
-beside it: following a trainable set that changes (``_trainable_set.py``) and the checks of each step,
-the divergence sentinel among them (``_step_checks.py``).
+The engine, :mod:`torchbearer_dist.sync.buckets`, needs no torchbearer. The callback holds two objects
+of its own beside it: the trainable set its buckets follow, with this rank's word on a change
+(``_trainable_set.py``), and the checks of each step, the divergence sentinel among them
+(``_step_checks.py``). Rebuilding the buckets when the set changes is the callback's.
 """
 import warnings
 import weakref
@@ -14,12 +15,16 @@ from torchbearer_dist.callbacks import _held
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.callbacks._step_checks import SKIPPED_STEPS, StepChecks
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
-from torchbearer_dist.callbacks._trainable_set import FollowTrainableSet, SignalBuckets
+from torchbearer_dist.callbacks._trainable_set import SignalBuckets, TrainableSet
 from torchbearer_dist.sync import collectives, models
+from torchbearer_dist.sync.buckets import GradientBuckets
 from torchbearer_dist.sync.flat_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB, check_options, check_supported
 
+#: What a rebuild carries from the old buckets to the new ones: the communication counters, where kept.
+_COUNTERS = ('bytes_sent', 'wait_seconds', 'comm_seconds')
 
-class AllReduceGradients(FollowTrainableSet, Callback):
+
+class AllReduceGradients(Callback):
     """Average every gradient over all ranks, complete when backward returns.
 
     Gradients are fused into flat buckets (see :class:`~torchbearer_dist.sync.buckets.GradientBuckets`)
@@ -151,9 +156,7 @@ class AllReduceGradients(FollowTrainableSet, Callback):
         self._owner = None  # weak reference to the state of the run whose training steps are hooked
         self._warned_ddp = False
         self._quiet_ddp = False  # made by AgreeOnStop for a DDP model: its gradients are left to DDP without a word
-        self._trainable = set()  # ids of the trainable set the buckets follow (DDP's parameters included)
-        self._watch = None  # a cheap sign that the trainable set may have moved (see _held.TrainableWatch)
-        self._change = False  # this rank's trainable set differs from self._trainable: awaiting every rank's word
+        self.trainable_set = TrainableSet()  # the set the buckets follow, and this rank's word on a change
         self._in_step = False
         self._pre_hooks = []  # forward pre-hooks on every held module: a change made before the forward counts
         # The stop agreement is held, not inherited: this callback carries its stop requests (a StopCarrier).
@@ -208,7 +211,7 @@ class AllReduceGradients(FollowTrainableSet, Callback):
         average = not self._summed
         if self.buckets is None or not self.buckets.same_params(params) or self.buckets.average != average:
             self.buckets = self._build(params) if params else None
-        self._follow_from(state)
+        self.trainable_set.follow_from(state)
         state[SKIPPED_STEPS] = self.checks.skipped
         modules = [module for _, module in _held.held_modules(state)]
         # Every forward pass of a training step first looks whether a callback changed the trainable set.
@@ -238,8 +241,70 @@ class AllReduceGradients(FollowTrainableSet, Callback):
         self._in_step = True
         if self.buckets is not None:
             self.buckets.arm()
-        self._sense(state)
-        self._signal(self.buckets)
+        self._look(state)
+
+    def _on_forward(self, module, inputs):
+        """A forward pre-hook on every held module: within a training step, look whether the set changed."""
+        if self._in_step:
+            state = self._owner() if self._owner is not None else None
+            if state is not None:
+                self._look(state)
+
+    def _look(self, state):
+        """Look whether this rank's trainable set changed, and put its word in the last bucket's signal slot."""
+        self.trainable_set.sense(state)
+        self.trainable_set.signal(self.buckets)
+
+    # --- following a trainable set that changes (see _trainable_set.py) ----------------------------------------
+
+    def _reduced(self, buckets):
+        """Called by the buckets after each synchronising backward: if any rank's trainable set changed, follow it
+        on every rank."""
+        if self.trainable_set.changed_on_any_rank(buckets):
+            self._follow(self._owner(), during_backward=True)
+        self.trainable_set.signal(self.buckets)
+
+    def _follow(self, state, during_backward):
+        """Every rank learnt that some rank's trainable set changed: agree on it, and average it from now on.
+
+        Called on every rank at the same point (the decision came with the gradients or the stop
+        agreement). If the ranks' sets differ, or a change is inside a DDP model (whose reducer
+        cannot follow it), every rank raises the same error. ``during_backward``: this step's
+        gradients of newly trainable parameters are averaged now, before backward returns.
+        """
+        wanted = self.trainable_set.agree(state)
+        old = self.buckets
+        held = set() if old is None else {id(p) for p in old.params}
+        added = [p for _, p in wanted if id(p) not in held]
+        nonfinite = False
+        if during_backward and added and old is not None and old.synced:
+            # This step's gradients of the newly trainable parameters: averaged now, as one process at N x B has them.
+            extra = GradientBuckets(added, bucket_cap_mb=self.options['bucket_cap_mb'],
+                                    first_bucket_mb=self.options['first_bucket_mb'],
+                                    compression=None if self.options['compression'] == 'powersgd' else
+                                    self.options['compression'], overlap=False, average=not self._summed)
+            extra.reduce()
+            nonfinite = extra.nonfinite
+        new = self._build([p for _, p in wanted]) if wanted else None
+        if old is not None:
+            old.detach()
+        if new is not None:
+            modules = [m for _, m in _held.held_modules(state) if not isinstance(m, DistributedDataParallel)]
+            new.attach(modules)
+            if self._in_step:
+                new.arm()
+            if old is not None:  # the step goes on with the new buckets: what it learnt so far goes with it
+                new.backwards, new.began, new.synced, new.stop = old.backwards, old.began, old.synced, old.stop
+                new.nonfinite = old.nonfinite
+                for counter in _COUNTERS:
+                    if hasattr(old, counter):
+                        setattr(new, counter, getattr(old, counter))
+            if nonfinite:
+                new.nonfinite = True
+                for p in new.params:
+                    p.grad = None
+        self.buckets = new
+        self.trainable_set.follow_from(state)
 
     def on_end_training(self, state):
         self._in_step = False
@@ -290,3 +355,7 @@ class AllReduceGradients(FollowTrainableSet, Callback):
 
     def _request_stop(self):
         self.buckets.request_stop()
+
+    def _change_word(self, state):
+        """This rank's word on its trainable set, for a stop agreement that travels without buckets."""
+        return self.trainable_set.word(state) if self.buckets is None else False
