@@ -30,9 +30,10 @@ PROPERTIES = 'test_no_healthy_schedule_is_ever_judged_failed or test_every_failu
 #: name: (file, text, replacement), the text found exactly once; or a list of them, the first that applies
 MUTANTS = {
     # the three of issue 34
-    'pause reset at limit/3': (VERDICT, 'if now - memory.awake > limit / 2:', 'if now - memory.awake > limit / 3:'),
+    'pause reset at limit/3': (TIMING, 'ASLEEP = 0.5', 'ASLEEP = 1 / 3'),
     'died without its half-limit clause': (
-        VERDICT, 'if rank in dead and sample.began > dead[rank] and dead[rank] - changed.get(rank, now) <= limit / 2:',
+        VERDICT, 'if (rank in dead and sample.began > dead[rank] and\n'
+                 '                dead[rank] - changed.get(rank, now) <= limit * Timing.DIED_BEATING):',
         'if rank in dead and sample.began > dead[rank]:'),
     'rank 0 master silent at 1.45x': (VERDICT, 'now - max(sample.ended, resumed) > limit or',
                                       'now - max(sample.ended, resumed) > 1.45 * limit or'),
@@ -50,7 +51,7 @@ MUTANTS = {
     'master silent at 0.9x': (VERDICT, 'now - max(sample.ended, resumed) > limit or',
                               'now - max(sample.ended, resumed) > 0.9 * limit or'),
     # "a whole job paused and resumed goes on training"; a rank paused past the limit names its own pause
-    'pause reset at the limit': (VERDICT, 'if now - memory.awake > limit / 2:', 'if now - memory.awake > limit:'),
+    'pause reset at the limit': (TIMING, 'ASLEEP = 0.5', 'ASLEEP = 1.0'),
     'own pause at 2x': (VERDICT, '        if now - memory.awake > limit:\n            frozen',
                         '        if now - memory.awake > 2 * limit:\n            frozen'),
     'own pause wins for no time': (VERDICT, 'now - memory.frozen[1] <= limits.limit', 'now - memory.frozen[1] <= 0'),
@@ -63,16 +64,15 @@ MUTANTS = {
                        (TIMING, 'self.beat = min(1.0, limit / 4)', 'self.beat = min(2.0, limit / 4)')],
     'two beats per limit': [(WATCHDOG, '_BEATS_PER_LIMIT = 4', '_BEATS_PER_LIMIT = 2'),
                             (TIMING, 'self.beat = min(1.0, limit / 4)', 'self.beat = min(1.0, limit / 2)')],
-    'watch once per beat': (WATCHDOG, 'while not self._stop.wait(self.interval / 4):',
-                            'while not self._stop.wait(self.interval):'),
+    'watch once per beat': (TIMING, 'SAMPLES_PER_BEAT = 4', 'SAMPLES_PER_BEAT = 1'),
     'the round begins after its read': (WATCHDOG, '_verdict.Sample(began, time.monotonic(),',
                                         '_verdict.Sample(time.monotonic(), time.monotonic(),'),
     # the two of issue 44: the live group never publishes what its heartbeat found; a killed peer whose beat
     # rank 0 last saw change a third of the limit before is taken for silent
     'heartbeat cause not published': (LIVE, 'if decision.publish:  # rank 0 too then learns',
                                       'if False:  # rank 0 too then learns'),
-    'timed_out at limit/3': (DECISION, 'silence > limit / 2', 'silence > limit / 3'),
-    'timed_out at 2/3 of the limit': (DECISION, 'silence > limit / 2', 'silence > 2 * limit / 3'),
+    'timed_out at limit/3': (TIMING, 'TIMED_OUT = 0.5', 'TIMED_OUT = 1 / 3'),
+    'timed_out at 2/3 of the limit': (TIMING, 'TIMED_OUT = 0.5', 'TIMED_OUT = 2 / 3'),
     # decide() and its applier: who publishes, who is woken, who waits for readers
     'decide: heartbeat never publishes': (DECISION, 'publish=f.heartbeat is not None and f.store_answers,',
                                           'publish=False,'),

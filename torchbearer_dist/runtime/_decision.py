@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis as causes
+from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
 
 #: Where a rank is when it stops: its heartbeat judged; group creation (the handshake, gloo's
@@ -67,7 +68,7 @@ def timed_out(error, silence, limit):
     the error's type says so, or a watched beat was unchanged for half the ``limit`` (``silence``, or None)."""
     if isinstance(error, getattr(dist, 'DistTimeoutError', ())):
         return True
-    return silence is not None and silence > limit / 2
+    return silence is not None and silence > limit * Timing.TIMED_OUT
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ class StderrTail:
                 except (OSError, ValueError, AttributeError):
                     pass
 
-    def drain(self, seconds=2.0):
+    def drain(self, seconds=Timing.DRAIN):
         """Wait up to ``seconds`` for the ranks' last output (a rank's own child may hold the pipe longer)."""
         deadline = time.monotonic() + seconds
         for thread in self._threads:
@@ -156,7 +156,7 @@ def _stalled(marks, rank, pid, now, bound):
     frozen or waiting for gone peers uses none."""
     state, cpu = _stat(pid)
     since, used = marks.setdefault(rank, (now, cpu))
-    if cpu is not None and used is not None and cpu - used > 0.01 * (now - since) + 0.05:
+    if cpu is not None and used is not None and cpu - used > Timing.IDLE_SHARE * (now - since) + Timing.IDLE_SLACK:
         marks[rank] = (now, cpu)
         return False
     # a stopped process is frozen for sure; any other gets time for its own heartbeat to name a peer

@@ -1,11 +1,12 @@
-"""Every wait of the fault machinery, in one place: derived from the user's two timeouts, with its reason;
-and the one loop that waits for a condition (:func:`poll`)."""
+"""Every wait and threshold of the fault machinery, in one place: derived from the user's two timeouts, with
+its reason; and the one loop that waits for a condition (:func:`poll`)."""
 import time
 
 
 class Timing:
     """The waits of a job whose rendezvous timeout is ``limit`` and collective timeout ``timeout`` (seconds).
-    The fixed ones, class attributes, bound a local or one-round-trip action, not a peer."""
+    The fixed ones, class attributes, bound a local or one-round-trip action, not a peer; the heartbeat's
+    rules read their parts of the limit and of a beat here too."""
     STORE_CALL = 2.0  # a publish or read of a cause
     PROBE = 1.0  # whether the master's port accepts
     LEAVE_CALL = 1.0  # marking this rank left, against a master that may be frozen
@@ -25,6 +26,22 @@ class Timing:
     POLL = 0.05  # a loop waiting for a condition (a peer's cause, the readers, a decision's wait) checks this often
     CHILDREN_POLL = 0.1  # launch() and a port that refuses are looked at again this often
     WATCH_STOP = 0.5  # the heartbeat's threads get this long to end when stopped (not a store call on a silent host)
+    # a heartbeat thread joined at the exit gets its store call's timeout, a beat and this long more to return
+    WATCH_JOIN = 1.0
+    SAMPLES_PER_BEAT = 4  # the watch samples this often per beat: a silence is measured to a quarter of a beat
+    # a failed collective timed out (rather than its peer left, which closes the connection within a beat) where
+    # the peer's beat was unchanged for this part of the limit
+    TIMED_OUT = 0.5
+    # a watch thread that wakes this part of the limit late did not run (load delays a thread far less): what it
+    # read before is not judged
+    ASLEEP = 0.5
+    # a local peer gone whose beat changed within this part of the limit before died; one silent longer gave up
+    DIED_BEATING = 0.5
+    DRAIN = 2.0  # launch() waits this long for the ranks' last stderr lines (a rank's own child may hold the pipe)
+    # a last rank left alone is idle while it uses under this share of a core: frozen or waiting for gone peers
+    # uses none, rank-0-only work uses a core, its heartbeat threads far less
+    IDLE_SHARE = 0.01
+    IDLE_SLACK = 0.05  # CPU seconds over that share still idle: /proc counts CPU time in ticks of 10 ms
     REQUEUE_CALL = 30.0  # SLURM's scontrol requeue, at a preemption
 
     def __init__(self, limit, timeout=None):

@@ -22,6 +22,8 @@ The rules, each learned from a healthy job once ended by the rule before it:
 """
 from dataclasses import dataclass, field, replace
 
+from torchbearer_dist.runtime._timing import Timing
+
 #: Added to a rank's heartbeat counter when it leaves the job cleanly: from then on it is not watched.
 LEFT = 1 << 40
 
@@ -106,7 +108,7 @@ def judge(memory, seen, limits):
     has failed."""
     now, limit = seen.now, limits.limit
     last, changed, resumed, frozen = memory.last, memory.changed, memory.resumed, memory.frozen
-    if now - memory.awake > limit / 2:  # this process did not run: judge nothing read before
+    if now - memory.awake > limit * Timing.ASLEEP:  # this process did not run: judge nothing read before
         last, changed, resumed = {}, {}, now
         memory = replace(memory, unchanged=frozenset())
         if now - memory.awake > limit:
@@ -130,7 +132,8 @@ def judge(memory, seen, limits):
         if int(value) >= LEFT:
             last[rank] = value  # left: never silent (see silences)
             continue
-        if rank in dead and sample.began > dead[rank] and dead[rank] - changed.get(rank, now) <= limit / 2:
+        if (rank in dead and sample.began > dead[rank] and
+                dead[rank] - changed.get(rank, now) <= limit * Timing.DIED_BEATING):
             return memory, _blame(Verdict(DIED, rank, 0.0, rank != 0), own, limits)  # rank 0 held the store
         if last.get(rank) != value:
             (unchanged.add if rank not in last else unchanged.discard)(rank)

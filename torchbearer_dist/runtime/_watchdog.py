@@ -67,7 +67,7 @@ class Watchdog:
         """Wait until both threads have ended (a daemon thread inside a torch call when the interpreter finalizes
         aborts the process), ``seconds`` each, by default the store's own timeout, a beat and a second."""
         if seconds is None:
-            seconds = self.store.timeout.total_seconds() + self.interval + 1.0
+            seconds = self.store.timeout.total_seconds() + self.interval + Timing.WATCH_JOIN
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(seconds)
@@ -105,7 +105,7 @@ class Watchdog:
         # Sample four times per beat, judge (a pure function, see _verdict), apply. The local peers are
         # read before the clock: a peer seen gone at `now` surely went before it (and marked itself left
         # before that, if it did), so a round begun after `now` reads its leave mark.
-        while not self._stop.wait(self.interval / 4):
+        while not self._stop.wait(self.interval / Timing.SAMPLES_PER_BEAT):
             dead = frozenset(self._dead_ranks())
             now = time.monotonic()
             failed, failures = self._failed
