@@ -148,8 +148,8 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
 
             if __name__ == '__main__':
                 histories = torchbearer_dist.launch(worker, world_size=2, args=(5,))
-                # as torchrun --max-restarts 3 would: all ranks started again after a failure, 3 times at most
-                histories = torchbearer_dist.launch(worker, world_size=2, args=(5,), max_restarts=3)
+                # as torchrun --max-restarts 3: every rank started again after a failure
+                histories = torchbearer_dist.launch(worker, 2, args=(5,), max_restarts=3)
 
     Args:
         fn (callable): a module-level function (pickled to start each rank), or a function of a Jupyter
