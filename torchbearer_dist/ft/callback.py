@@ -402,12 +402,13 @@ class FaultTolerantAllReduce(Callback):
     def _reduce_metrics(self, state, weight):
         """The pass's figures, averaged over the last step's replicas weighted by their samples (before any
         ``on_end_epoch``); where a replica was lost since that step they stay this replica's own."""
-        if self.replica is None or self._restart is not None:  # a run that ends to begin again meets nobody
+        group = self.group()
+        if group is None:  # no run, or a run that ends to begin again: it meets nobody
             return
         metrics = state[torchbearer.METRICS]
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
                    not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1)}
-        means = collectives.weighted_means(numbers, weight, group=self._group())
+        means = collectives.weighted_means(numbers, weight, group=group)
         if self.replica.manager.errored() is None:
             metrics.update(means)
 
