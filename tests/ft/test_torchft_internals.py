@@ -46,7 +46,7 @@ def test_a_wait_for_the_quorum_in_flight_ends_at_once_when_woken():
             timer.start()
             with pytest.raises(TimeoutError):  # from Future.result(), woken with the future still running
                 replica.manager.start_quorum()
-            assert woken == [True] and time.monotonic() - started < 3.0, (
+            assert woken == [True] and time.monotonic() - started < 5.0, (  # unwoken, it waits 6 s
                 'Manager._quorum_future is no longer waited for in start_quorum: update _torchft.wake_quorum_wait')
             assert _torchft.wake_quorum_wait(object()) is False  # nothing in flight: nothing to wake
         finally:
