@@ -54,9 +54,9 @@ class Progress(Callback):
         time.sleep(self.sleep)
 
 
-def dataset(samples):
+def dataset(samples, seed=0):
     """The replicas' data (the same on every replica; each trains its DistributedSampler's shard)."""
-    x = torch.randn(samples, 20, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(samples, 20, generator=torch.Generator().manual_seed(seed))
     return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
 
 
@@ -191,6 +191,8 @@ def main():
                         'formed, nothing sent)')
     parser.add_argument('--launch', type=int, help='start this many ranks, one replica group, with launch()')
     parser.add_argument('--max-restarts', type=int, default=0, help="--launch's max_restarts")
+    parser.add_argument('--evaluate', type=int, help='after the runs, evaluate() and predict() this many test samples '
+                        '(each replica its shard, no shuffle)')
     args = parser.parse_args()
     if args.launch:  # launch()'s restarts: each new rank finds its start in TORCHELASTIC_RESTART_COUNT
         tbd.launch(launched, args.launch, args=(args,), max_restarts=args.max_restarts)
@@ -234,16 +236,29 @@ def train(args, group_size=1, rank=0):
     history = trial.run(args.epochs, verbose=0)
     if args.then_epochs:
         history = trial.run(args.then_epochs, verbose=0)
+    evaluated = evaluate(trial, args, group_size, rank) if args.evaluate else {}
     if args.record:
         diloco = next((c for c in callbacks if isinstance(c, tbd.DiLoCo)), None)
         torch.save({'initial': initial, 'start': after.start, 'final': net.state_dict(), 'losses': after.losses,
                     'clipped': before.norms, 'norms': after.norms, 'history': history,
                     'anchor': diloco and diloco.engine.anchor, 'outer_steps': diloco and diloco.engine.steps,
-                    'buffer_anchor': diloco and diloco.engine.buffer_anchor},
+                    'buffer_anchor': diloco and diloco.engine.buffer_anchor, **evaluated},
                    args.record if group_size == 1 else '{}.rank{}'.format(args.record, rank))  # a group: each rank's
     say('EPOCHS', len(history), 'RESTARTS', ft.restarts)
     say('BUFFERS', digest(net.buffers()))
     say('DONE', digest(net.parameters()), ft.heals, os.getpid(), json.dumps(history[-1], sort_keys=True))
+
+
+def evaluate(trial, args, group_size, rank):
+    """``evaluate()`` then ``predict()`` on ``--evaluate`` test samples, this process's shard of them; prints ``EVAL
+    <figures>`` and returns the figures and predictions (``--record`` saves them)."""
+    test = dataset(args.evaluate, seed=1)
+    trial.with_test_generator(DataLoader(test, batch_size=args.batch_size, sampler=DistributedSampler(
+        test, num_replicas=args.replicas * group_size, rank=args.replica * group_size + rank, shuffle=False)))
+    figures = trial.evaluate(verbose=0, data_key=torchbearer.TEST_DATA)
+    predictions = trial.predict(verbose=0)
+    say('EVAL', json.dumps(figures, sort_keys=True))
+    return {'evaluated': figures, 'predictions': predictions}
 
 
 if __name__ == '__main__':

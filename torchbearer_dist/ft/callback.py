@@ -1,6 +1,7 @@
 """Training through lost machines: a Trial's steps driven through torchft's Manager (the fault-tolerant mode)."""
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -14,6 +15,7 @@ from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
+from torchbearer_dist.callbacks.metrics import _predicting
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
@@ -27,6 +29,8 @@ from torchbearer_dist.sync.group import SUM, DistGroup, HierarchicalGroup, Quoru
 
 #: Quorums in a row a replica takes while the vote refuses a replica of each (a refused one leaves at once).
 VOTES = 4
+#: Seconds between the quorums of an evaluate() or predict() that waits for the replicas of the last run.
+PASS_POLL = 0.2
 #: Launchers' counts of a job's restarts, in their processes' environment: torchrun's, SLURM's (a requeue).
 RESTART_COUNTS = ('TORCHELASTIC_RESTART_COUNT', 'SLURM_RESTART_COUNT')
 
@@ -122,6 +126,7 @@ class FaultTolerantAllReduce(Callback):
         self._restart = None  # that position, from a heal mid-run until the run begins again there
         self._quorum = self._refusal = None  # the last quorum voted in; why a heal's payload was not loaded
         self._news = []  # the lines of a heal, said once the quorum's vote let this replica in
+        self._ended_with = 0  # the replicas of the last run's last quorum, whom evaluate() and predict() wait for
         # A stop set by a callback on any replica ends every live replica after the same committed step (the
         # request rides in the gradient buckets' stop slot); DiLoCo's meetings hold their own agreement.
         self._agreement = StopAgreement(self, carrier=self, group=self.group)
@@ -129,7 +134,7 @@ class FaultTolerantAllReduce(Callback):
 
     def _reset(self):
         self._state = self._pending = None
-        self._open = self._in_step = self._meets = self._passing = False
+        self._open = self._in_step = self._meets = self._passing = self._evaluating = False
         self._joining = False  # in the quorum of a pass's start (see meet)
         self._commit, self._gated, self._samples = None, [], {'train': 0, 'val': 0}
         self._buckets = None  # the gradient buckets (GradientBuckets over the live replicas), with every_step
@@ -143,10 +148,13 @@ class FaultTolerantAllReduce(Callback):
             weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
             self._pending, self._open = restart, False  # its first step (or meeting) takes a quorum of its own
             return
-        if state.get(torchbearer.GENERATOR) is not None:
-            return  # evaluate() and predict() set their loader before on_start; run() does not: no quorum there
+        # evaluate() and predict() set their loader before on_start, run() does not: they take the live replicas'
+        # quorum without healing, and their figures and predictions are reduced over it (ReduceMetrics)
+        passing = state.get(torchbearer.GENERATOR) is not None
+        ended_with = self._ended_with if passing else 0
         self._release()
         self._reset()
+        self._evaluating = passing
         # A process group (torchrun, launch(), srun) is this replica group: its ranks start, fail and heal together.
         self._local = DistGroup() if collectives.world_size() > 1 else None
         if self._local is not None:
@@ -165,6 +173,9 @@ class FaultTolerantAllReduce(Callback):
             raise
         self._clock, self._peers = PauseClock(), 0  # how long this process was stopped; the last quorum's replicas
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
+        if passing:
+            self._join_pass(ended_with)
+            return
         if self.every_step:
             self._gate(state)
         self._start_quorum()  # a replica that starts late heals here, before its first epoch begins
@@ -176,9 +187,37 @@ class FaultTolerantAllReduce(Callback):
         self._check_not_alone_again(state)
         self._open = True  # this quorum serves the first step
 
+    def _join_pass(self, wanted):
+        """The quorum of an ``evaluate()`` or ``predict()``: the replicas that call it, nothing healed (every one
+        holds the weights its run ended with). Quorums are taken again, for up to ``timeout``, until it holds the
+        ``wanted`` replicas that ended the last run together; where fewer come, the pass goes on over those, in
+        one line. A replica still training in the quorum (its run goes on) refuses this one."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._start_quorum(heal=False)
+            manager = self.replica.manager
+            if manager.participating_rank() is None:  # the quorum's highest step is a training replica's
+                self._release()
+                raise _heal.Refused('this replica cannot {}: replicas in its quorum are still training (their run() '
+                                    'goes on); call it once every replica\'s run() has ended'.format(self._what()))
+            live = manager.num_participants()
+            if live >= wanted:
+                return
+            if time.monotonic() >= deadline:
+                self._say('replica {} {}s over {} of the {} replicas that ended the last run: the others did not join '
+                          'within {:g} s (lost, or not calling {}())'.format(
+                              self.replica.replica_id, self._what(), live, wanted, self.timeout, self._what()))
+                return
+            time.sleep(PASS_POLL)
+
+    def _what(self):
+        """``'evaluate'`` or ``'predict'``: the pass outside ``run()`` this replica is in."""
+        state = self._state()
+        return 'predict' if state is not None and _predicting(state[torchbearer.CALLBACK_LIST]) else 'evaluate'
+
     def _align_group(self, state):
         """Every tensor the Trial holds (models, optimizers' parameters) takes the group's rank 0's values."""
-        models.broadcast_tensors([t for _, t in _held.synchronised(state)], 0)
+        models.broadcast_tensors([t for _, t in _held.synchronised(state)], group=self._local)
 
     def _check_not_alone_again(self, state):
         """A launcher's restart (see ``restarted``) alone at its first quorum, nothing healed nor resumed: the
@@ -196,13 +235,13 @@ class FaultTolerantAllReduce(Callback):
                             'finished or were lost meanwhile; it stops rather than train the whole run again alone '
                             '(start every replica anew for a new run, or resume from a checkpoint)'.format(how))
 
-    def _start_quorum(self, shrink_only=False):
+    def _start_quorum(self, shrink_only=False, heal=True):
         stopped, heals = self._clock.take(), self.heals
         manager = self.replica.manager
         for _ in range(VOTES):
             trained = manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
             self._refusal = None
-            self.replica.start_quorum(shrink_only)
+            self.replica.start_quorum(shrink_only, heal=heal)
             if not self._vote(trained):
                 break  # nobody refused: the quorum trains; else a new one, without the replica refused
         else:
@@ -484,7 +523,9 @@ class FaultTolerantAllReduce(Callback):
             state[torchbearer.SELF].run(state[torchbearer.MAX_EPOCHS], verbose=0)  # the printer of this run goes on
             return
         try:
-            self._agree_at_end(state)
+            if not self._evaluating:
+                self._ended_with = self.replica.manager.num_participants() if self.replica is not None else 0
+                self._agree_at_end(state)
         finally:
             self._release()
 

@@ -211,8 +211,10 @@ class Replica:
         self._failure, self._taken, self._in_quorum = None, threading.Event(), False
         self._watch = _watch.Watch(lighthouse, timeout, self._on_watch)
 
-    def start_quorum(self, shrink_only=False):
-        """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only.
+    def start_quorum(self, shrink_only=False, heal=True):
+        """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only;
+        ``heal=False``: nothing healed nor sent, the replicas at the quorum's highest step take part (``evaluate()``
+        and ``predict()``, whose fresh Managers are all at step 0).
 
         Raises:
             RuntimeError: the lighthouse was lost, or something else answers at its address (named, within
@@ -228,7 +230,7 @@ class Replica:
         try:
             while True:  # the lighthouse's minimum may be lower than this replica's: its quorums come again
                 left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                self.manager.start_quorum(shrink_only=shrink_only, timeout=left)
+                self.manager.start_quorum(allow_heal=heal, shrink_only=shrink_only, timeout=left)
                 live = self.manager.num_participants()
                 if live >= self.min_replicas:
                     break

@@ -130,16 +130,23 @@ def broadcast_buffers(module, src=0):
     _broadcast_tensors(list(module.buffers()), src, 'broadcast')
 
 
-def broadcast_tensors(tensors, src=0, method='broadcast'):
+def broadcast_tensors(tensors, src=0, method='broadcast', group=None):
     """Copy ``src``'s values of ``tensors`` (in the same order on every rank) into every rank's, in place.
+
+    Args:
+        tensors (list): the tensors, in the same order on every rank
+        src (int): the rank whose values every rank takes (the default process group's)
+        method (str): ``'broadcast'``, or ``'send_recv'`` (a send from ``src`` to each rank)
+        group: a group object of :mod:`torchbearer_dist.sync.group` instead of the default process group: its
+            first member's values, through its ``broadcast`` (``src`` and ``method`` are then not used)
 
     .. warning:: A synchronization point: every rank must call it.
     """
-    _broadcast_tensors(list(tensors), src, method)
+    _broadcast_tensors(list(tensors), src, method, group)
 
 
-def _broadcast_tensors(tensors, src, method):
-    if collectives.world_size() == 1:
+def _broadcast_tensors(tensors, src, method, group=None):
+    if collectives.world_size() == 1 if group is None else group.alone():
         return
     groups = {}
     for tensor in tensors:
@@ -148,17 +155,23 @@ def _broadcast_tensors(tensors, src, method):
         for key in sorted(groups, key=str):
             tensors = [t.detach() for t in groups[key]]
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            if dist.get_backend() == 'nccl' and flat.device.type != 'cuda':
-                flat = flat.cuda()
-            if method == 'broadcast':
-                dist.broadcast(flat, src)
-            elif collectives.rank() == src:
-                for other in range(collectives.world_size()):
-                    if other != src:
-                        dist.send(flat, other)
+            if group is not None:
+                flat = flat.to(group.device(flat))
+                group.broadcast(flat).wait()
+                took = group.rank() != 0
             else:
-                dist.recv(flat, src)
-            if collectives.rank() != src:
+                if dist.get_backend() == 'nccl' and flat.device.type != 'cuda':
+                    flat = flat.cuda()
+                if method == 'broadcast':
+                    dist.broadcast(flat, src)
+                elif collectives.rank() == src:
+                    for other in range(collectives.world_size()):
+                        if other != src:
+                            dist.send(flat, other)
+                else:
+                    dist.recv(flat, src)
+                took = collectives.rank() != src
+            if took:
                 for tensor, value in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
                     tensor.copy_(value.view_as(tensor))
 
