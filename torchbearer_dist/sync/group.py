@@ -17,7 +17,10 @@ its mode, as torchft's ``DistributedDataParallel`` is torch's DDP handed another
 All answer ``size()``, ``alone()``, ``rank()``, ``device(like)``, and start collectives in place that return a
 work whose ``wait()`` returns True when the result holds every member's contribution (False: torchft failed it):
 ``all_reduce(tensor, op)`` with ``op`` :data:`SUM` or :data:`AVG` (the sum divided by ``size()``), and
-``broadcast(tensor)`` (the group's first member's values on every member).
+``broadcast(tensor)`` (the group's first member's values on every member), and ``all_gather(output, tensor)``
+(every member's ``tensor``, of one shape, stacked in ``output`` in rank order: ``output[i]`` is member ``i``'s).
+Without a gather of their own, :class:`QuorumGroup` and :class:`HierarchicalGroup` gather by summing a table of
+zeros that holds each member's values at its row (exact: ``x + 0 == x``; a ``-0.0`` arrives as ``0.0``).
 """
 import torch
 import torch.distributed as dist
@@ -25,9 +28,73 @@ import torch.distributed as dist
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
 
+#: The dtypes :meth:`~DistGroup.all_gather` takes; a bool travels as uint8, an int16 as int32 (gloo has none), a
+#: complex as its real pairs, each back in its own dtype at the end, exactly.
+GATHER_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
 def _check_op(op):
     if op not in (SUM, AVG):
         raise ValueError('op should be ReduceOp.SUM or ReduceOp.AVG, but given {!r}'.format(op))
+
+
+def _check_gather(output, tensor, size):
+    """Raise a one-line ValueError unless ``output`` can hold ``size`` rows of ``tensor`` (before any collective)."""
+    if tensor.dtype not in GATHER_DTYPES:
+        raise ValueError('all_gather takes a tensor of a dtype among {}, but given {}; convert it first'.format(
+            ', '.join(str(d).replace('torch.', '') for d in GATHER_DTYPES), tensor.dtype))
+    shape = (size,) + tuple(tensor.shape)
+    if tuple(output.shape) != shape or output.dtype != tensor.dtype or not output.is_contiguous():
+        raise ValueError('all_gather needs a contiguous output of shape {} and dtype {} (size() rows of the tensor), '
+                         'but given {} {}{}; allocate it as torch.empty(size(), *tensor.shape, '
+                         'dtype=tensor.dtype)'.format(shape, tensor.dtype, tuple(output.shape), output.dtype,
+                             '' if output.is_contiguous() else ' (not contiguous)'))
+
+
+def _wire(tensor):
+    """``tensor`` in a dtype every group sums and gathers exactly, and whether that is a copy (a view otherwise)."""
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8), False
+    if tensor.is_complex():
+        return torch.view_as_real(tensor), False
+    if tensor.dtype == torch.int16:
+        return tensor.to(torch.int32), True
+    return tensor, False
+
+
+class _Done:
+    """A collective already complete: its wait returns whether the result holds every member's contribution."""
+
+    def __init__(self, whole):
+        self.whole = whole
+
+    def wait(self):
+        return self.whole
+
+
+class _GatherWork:
+    """A gather in flight into ``output`` through ``wire`` (its copy in a dtype the group carries, or None)."""
+
+    def __init__(self, work, output, wire=None):
+        self.work, self.output, self.wire = work, output, wire
+
+    def wait(self):
+        whole = self.work.wait()
+        if self.wire is not None:
+            self.output.copy_(self.wire)
+        return whole
+
+
+def _table(group, output, tensor):
+    """Gather by a sum: ``output`` zeroed, this member's ``tensor`` at its row (none outside the count), summed in
+    place over ``group``; returns the sum in flight (see :class:`_GatherWork`)."""
+    output.zero_()
+    rank = group.rank()
+    if rank is not None:  # a replica outside the quorum sends nothing (torchft zeroes it too)
+        output[rank].copy_(tensor)
+    wire, copied = _wire(output)
+    return _GatherWork(group.all_reduce(wire, SUM), output, wire if copied else None)
 
 
 class _DistWork:
@@ -126,6 +193,38 @@ class DistGroup:
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         return _DistWork(dist.broadcast(tensor, src, group=self.process_group, async_op=True))
 
+    def all_gather(self, output, tensor):
+        """Every rank's ``tensor`` (one shape on every rank), stacked in ``output`` in rank order.
+
+        Example:
+
+            .. code-block:: python
+
+                output = torch.empty(group.size(), *mine.shape, dtype=mine.dtype)
+                group.all_gather(output, mine).wait()   # output[i] is rank i's
+
+        Args:
+            output (torch.Tensor): contiguous, ``[size(), *tensor.shape]``, of ``tensor``'s dtype (one of
+                :data:`GATHER_DTYPES`)
+            tensor (torch.Tensor): this rank's values
+
+        Returns:
+            the collective in flight: ``wait()`` leaves the result in ``output`` and returns True
+
+        Raises:
+            ValueError: ``output`` or the dtype do not fit (before the collective)
+
+        .. warning:: A synchronization point: every rank must issue the same collectives in the same order.
+        """
+        _check_gather(output, tensor, self.size())
+        if self.alone():
+            output[0].copy_(tensor)
+            return _Done(True)
+        wire, copied = _wire(output)
+        parts = list(wire.unbind(0))
+        work = dist.all_gather(parts, _wire(tensor)[0].contiguous(), group=self.process_group, async_op=True)
+        return _GatherWork(_DistWork(work), output, wire if copied else None)
+
 
 #: The fail-fast mode's group: the default process group.
 WORLD = DistGroup()
@@ -205,15 +304,22 @@ class QuorumGroup:
             tensor.zero_()
         return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=SUM))
 
+    def all_gather(self, output, tensor):
+        """Every live replica's ``tensor``, stacked in ``output`` by rank in the quorum (see
+        :meth:`DistGroup.all_gather`); a replica outside the quorum (:meth:`rank` None) receives the others' and
+        sends none. ``wait()`` returns False where torchft failed the sum: ``output`` is then not to be trusted.
 
-class _Done:
-    """A collective already complete: its wait returns whether the result holds every member's contribution."""
+        Raises:
+            ValueError: ``output`` or the dtype do not fit, or this group counts only the replicas that trained
+                (``trained`` given: a gather has a row for every live replica; gather over ``QuorumGroup(manager)``)
 
-    def __init__(self, whole):
-        self.whole = whole
-
-    def wait(self):
-        return self.whole
+        .. warning:: A synchronization point of the live replicas.
+        """
+        if self._trainers is not None:
+            raise ValueError('all_gather gathers every live replica, but this QuorumGroup counts only those that '
+                             'trained (trained={!r}); gather over QuorumGroup(manager)'.format(self.trained))
+        _check_gather(output, tensor, self.size())
+        return _table(self, output, tensor)
 
 
 class _HierarchicalWork:
@@ -305,3 +411,20 @@ class HierarchicalGroup:
         """
         self.local.broadcast(tensor).wait()
         return _Done(self.quorum.broadcast(tensor).wait())
+
+    def all_gather(self, output, tensor):
+        """Every rank's ``tensor`` over the live groups, stacked in ``output`` by :meth:`rank` (see
+        :meth:`DistGroup.all_gather`); returns the collective done. ``wait()`` returns the same on every rank of
+        the group (one more sum within it): False where torchft failed the part across the groups on any of its
+        ranks, ``output`` then not to be trusted; a loss within the group raises.
+
+        Raises:
+            ValueError: ``output`` or the dtype do not fit (before any collective)
+
+        .. warning:: A synchronization point of the group's ranks and of the live groups.
+        """
+        _check_gather(output, tensor, self.size())
+        whole = _table(self, output, tensor).wait()
+        failed = torch.tensor([0.0 if whole else 1.0], dtype=torch.float64, device=self.device(output.device))
+        self.local.all_reduce(failed, SUM).wait()  # every rank of the group takes the same path on
+        return _Done(failed.item() == 0.0)

@@ -1,0 +1,127 @@
+"""``all_gather`` of the group interface (``torchbearer_dist.sync.group``), on real gloo ranks.
+
+Every group stacks each member's tensor at the member's rank, bit for bit, in every dtype of ``GATHER_DTYPES``:
+:class:`DistGroup` through ``dist.all_gather``, :class:`HierarchicalGroup` (two replica groups of two ranks, the
+across-groups level a real process group, as in ``test_group.py``) through a sum of a table of zeros. Over real
+torchft replicas: ``tests/callbacks/test_metrics_over_replicas.py``.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from test_group import _two_levels
+
+from torchbearer_dist.sync.group import GATHER_DTYPES, DistGroup, QuorumGroup
+
+from _dist import run_workers
+
+
+def _values(rank, dtype, shape=(2, 3)):
+    """Rank ``rank``'s values: distinct per rank and element, a -0.0-free mix of signs where the dtype has them."""
+    base = torch.arange(6, dtype=torch.float64).reshape(shape) * (rank + 1) + 3 * rank
+    if dtype == torch.bool:
+        return (base.long() % 3 == rank % 2).reshape(shape)
+    if dtype.is_complex:
+        return torch.complex(base - 4, base * 0.5).to(dtype)
+    if dtype.is_floating_point:
+        return ((base - 5) * 0.25).to(dtype)
+    return (base - (5 if dtype != torch.uint8 else 0)).to(dtype)
+
+
+def _gather_every_dtype(group):
+    found = {}
+    for dtype in GATHER_DTYPES:
+        mine = _values(group.rank(), dtype)
+        output = torch.empty(group.size(), *mine.shape, dtype=dtype)
+        found[dtype] = (group.all_gather(output, mine).wait(), output)
+    return found
+
+
+def _flat():
+    return _gather_every_dtype(DistGroup())
+
+
+def _hierarchical():
+    return _gather_every_dtype(_two_levels())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('ranks, worker', [(2, _flat), (4, _hierarchical)], ids=['DistGroup', 'HierarchicalGroup'])
+def test_all_gather_stacks_every_members_tensor_at_its_rank_bit_for_bit_in_every_dtype(ranks, worker):
+    for found in run_workers(worker, world_size=ranks):
+        for dtype in GATHER_DTYPES:
+            whole, output = found[dtype]
+            expected = torch.stack([_values(r, dtype) for r in range(ranks)])
+            assert whole is True and output.dtype == dtype and torch.equal(output, expected), (dtype, output)
+
+
+def test_a_group_of_one_gathers_its_own_tensor_without_a_process_group():
+    mine = torch.tensor([1.5, -2.0])
+    output = torch.empty(1, 2)
+    assert DistGroup().all_gather(output, mine).wait() is True and torch.equal(output, mine[None])
+
+
+def test_an_output_that_does_not_fit_or_a_dtype_no_group_carries_is_refused_before_any_collective():
+    with pytest.raises(ValueError, match=r'^all_gather needs a contiguous output of shape \(1, 2\) and dtype '
+                                         r'torch.float32 \(size\(\) rows of the tensor\), but given \(2, 2\) '
+                                         r'torch.float32; allocate it as torch.empty\(size\(\), \*tensor.shape, '
+                                         r'dtype=tensor.dtype\)$'):
+        DistGroup().all_gather(torch.empty(2, 2), torch.zeros(2))
+    with pytest.raises(ValueError, match=r'but given \(1, 2\) torch.float64; '):
+        DistGroup().all_gather(torch.empty(1, 2, dtype=torch.float64), torch.zeros(2))
+    with pytest.raises(ValueError, match=r'^all_gather takes a tensor of a dtype among float64, .*, but given '
+                                         r'torch.uint16; convert it first$'):
+        DistGroup().all_gather(torch.empty(1, 2, dtype=torch.uint16), torch.zeros(2, dtype=torch.uint16))
+
+
+class _Manager:
+    """A torchft Manager's face for QuorumGroup (the stand-in of test_meetings.py): ``participants`` replicas, this
+    one at ``rank`` (None: outside the quorum); ``others`` is what the other replicas add to each sum, in order;
+    ``error``: what ``errored()`` reports once a sum ran (torchft failed it)."""
+
+    def __init__(self, participants=2, rank=0, others=(), error=None):
+        self.participants, self.rank, self.others, self.error = participants, rank, list(others), error
+        self.sent, self.failed = [], None
+
+    def num_participants(self):
+        return self.participants
+
+    def participating_rank(self):
+        return self.rank
+
+    def allreduce(self, tensor, reduce_op):
+        assert reduce_op == dist.ReduceOp.SUM
+        self.sent.append(tensor.clone())
+        if self.others:
+            tensor += self.others.pop(0)
+        self.failed = self.error
+        return self
+
+    def wait(self):
+        return True
+
+    def errored(self):
+        return self.failed
+
+
+def test_a_quorum_gathers_by_a_sum_of_its_members_rows_and_one_outside_it_sends_none():
+    other = torch.tensor([[0, 0], [7, 8]], dtype=torch.uint8)  # the other replica's row 1
+    manager = _Manager(rank=0, others=[other])
+    output = torch.empty(2, 2, dtype=torch.bool)
+    assert QuorumGroup(manager).all_gather(output, torch.tensor([True, False])).wait() is True
+    assert torch.equal(manager.sent[0], torch.tensor([[1, 0], [0, 0]], dtype=torch.uint8))  # its row, zeros else
+    assert torch.equal(output, torch.tensor([[True, False], [True, True]]))
+    outside = _Manager(rank=None)
+    QuorumGroup(outside).all_gather(torch.empty(2, 3), torch.ones(3)).wait()
+    assert not outside.sent[0].any()
+
+
+def test_a_gather_torchft_failed_says_so():
+    output = torch.empty(2, 1)
+    assert QuorumGroup(_Manager(error=RuntimeError('peer lost'))).all_gather(output, torch.ones(1)).wait() is False
+
+
+def test_a_quorum_that_counts_only_the_replicas_that_trained_refuses_a_gather():
+    group = QuorumGroup(_Manager(others=[torch.tensor([0.0, 1.0], dtype=torch.float64)]), trained=True)
+    with pytest.raises(ValueError, match=r'^all_gather gathers every live replica, but this QuorumGroup counts only '
+                                         r'those that trained \(trained=True\); gather over QuorumGroup\(manager\)$'):
+        group.all_gather(torch.empty(2, 1), torch.ones(1))
