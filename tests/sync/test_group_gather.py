@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from test_group import _two_levels
 
+from torchbearer_dist.sync.gather import IncompleteGather, all_gather_rows, gather_predictions
 from torchbearer_dist.sync.group import GATHER_DTYPES, DistGroup, QuorumGroup
 
 from _dist import run_workers
@@ -125,3 +126,35 @@ def test_a_quorum_that_counts_only_the_replicas_that_trained_refuses_a_gather():
     with pytest.raises(ValueError, match=r'^all_gather gathers every live replica, but this QuorumGroup counts only '
                                          r'those that trained \(trained=True\); gather over QuorumGroup\(manager\)$'):
         group.all_gather(torch.empty(2, 1), torch.ones(1))
+
+
+def _rows_over_groups():
+    """Ranks holding 2, none, 3 and 1 rows (a sampler's shards, dataset index ``rank + 4 * i``), gathered over the
+    two replica groups of two and over the flat group of the four ranks."""
+    rank, found = dist.get_rank(), {}
+    rows = [2, 0, 3, 1][rank]
+    mine = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + 100 * rank if rows else None
+    indices = [rank + 4 * i for i in range(rows)]
+    for name, group in (('hierarchical', _two_levels()), ('flat', None)):
+        found[name] = all_gather_rows(mine, group=group), gather_predictions(mine, indices, group=group)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_rows_and_predictions_gathered_over_replica_groups_equal_those_over_the_flat_group():
+    for found in run_workers(_rows_over_groups, world_size=4):
+        (rows, counts), predictions = found['hierarchical']
+        (flat_rows, flat_counts), flat_predictions = found['flat']
+        assert counts == flat_counts == [2, 0, 3, 1]
+        assert torch.equal(rows, flat_rows) and rows.shape == (6, 3)
+        assert torch.equal(predictions, flat_predictions) and predictions[:, 0].tolist() == [
+            0.0, 200.0, 300.0, 3.0, 203.0, 206.0]  # dataset order: 0, 2, 3, 4, 6, 10 (ranks 0, 2, 3, 0, 2, 2)
+
+
+def test_a_gather_torchft_failed_raises_instead_of_returning_some_replicas_rows():
+    manager = _Manager(error=RuntimeError('peer lost'))
+    with pytest.raises(IncompleteGather, match=r'^a gather over the live replicas was not whole \(torchft failed it: '
+                                               r'a replica was lost meanwhile\), so nothing gathered is returned; '
+                                               r'gather again in the next quorum$'):
+        gather_predictions(torch.ones(2, 1), [0, 2], group=QuorumGroup(manager))
+    assert len(manager.sent) == 1  # the header's gather, and nothing after it

@@ -4,11 +4,14 @@ Each rank holds a tensor whose first dimension (its number of samples) may diffe
 One ``all_gather`` of a small integer header (rows, dtype, shape) tells every rank how much each
 holds; one ``all_gather`` of the tensors padded to the longest then moves the data, and the padding
 is cut off again. :func:`gather_predictions` also puts the rows back in dataset order.
+
+Both collectives go through a group of :mod:`torchbearer_dist.sync.group`, the default process group unless
+given one, so that the same gather runs over a torchft quorum of replicas; there a gather that torchft failed
+raises :class:`IncompleteGather` rather than return some replicas' rows as if they were all.
 """
 import torch
-import torch.distributed as dist
 
-from torchbearer_dist.sync import collectives
+from torchbearer_dist.sync.group import WORLD
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -26,7 +29,22 @@ def _header(tensor):
     return [tensor.size(0), tensor.dim(), _DTYPES.index(tensor.dtype)] + shape + [0] * (_MAX_DIMS - len(shape))
 
 
-def all_gather_rows(tensor, device=None):
+class IncompleteGather(RuntimeError):
+    """A gather over a fault-tolerant group (:class:`~torchbearer_dist.sync.group.QuorumGroup`,
+    :class:`~torchbearer_dist.sync.group.HierarchicalGroup`) that torchft failed: no row of it is to be trusted, so
+    none is returned (a replica was lost meanwhile; ``should_commit()`` drops the step)."""
+
+
+def _gathered(group, tensor):
+    """``group.all_gather`` of ``tensor`` into a new ``[size, *shape]`` tensor; raises :class:`IncompleteGather`."""
+    output = tensor.new_empty((group.size(),) + tuple(tensor.shape))
+    if not group.all_gather(output, tensor).wait():
+        raise IncompleteGather('a gather over the live replicas was not whole (torchft failed it: a replica was lost '
+                               'meanwhile), so nothing gathered is returned; gather again in the next quorum')
+    return output
+
+
+def all_gather_rows(tensor, device=None, group=None):
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order; ranks may hold different row counts.
 
     Example:
@@ -39,7 +57,10 @@ def all_gather_rows(tensor, device=None):
     Args:
         tensor (torch.Tensor): this rank's rows (at least one dimension), or None for none; the other
             dimensions and the dtype must be the same on every rank that holds rows
-        device (torch.device): where the collectives run; CPU under gloo by default
+        device (torch.device): where the collectives run; by default the group's (the CPU under gloo)
+        group (DistGroup or QuorumGroup or HierarchicalGroup): whose rows, in the order of their ``rank()``, through
+            that group's collectives (a header, then the rows padded to the longest); None: the default process
+            group. A replica outside the quorum (``rank()`` None) receives the others' rows and sends none
 
     Returns:
         tuple: the concatenated tensor (None if no rank held rows) and the list of each rank's row count
@@ -47,17 +68,17 @@ def all_gather_rows(tensor, device=None):
     Raises:
         ValueError: the tensor has no dimension or an unsupported dtype (before any collective)
         RuntimeError: the ranks' tensors differ in dtype or in dimensions other than the first
+        IncompleteGather: a RuntimeError: torchft failed a collective of the gather (a fault-tolerant group only);
+            never a partial result. Every rank of a replica group raises it alike
 
     .. warning:: A synchronization point: every rank must call it.
     """
+    group = WORLD if group is None else group
     header = _header(tensor)
-    if collectives.world_size() == 1:
+    if group.alone():
         return tensor, [header[0]]
-    device = collectives.comm_device(torch.device('cpu')) if device is None else device
-    mine = torch.tensor(header, dtype=torch.int64, device=device)
-    headers = [torch.empty_like(mine) for _ in range(collectives.world_size())]
-    dist.all_gather(headers, mine)
-    headers = [h.tolist() for h in headers]
+    device = group.device() if device is None else device
+    headers = _gathered(group, torch.tensor(header, dtype=torch.int64, device=device)).tolist()
     rows = [h[0] for h in headers]
     held = [h[1:] for h in headers if h[1] >= 0]
     if not held:
@@ -71,13 +92,12 @@ def all_gather_rows(tensor, device=None):
     padded = torch.zeros([max(rows)] + shape, dtype=dtype, device=device)
     if tensor is not None and tensor.size(0):
         padded[:tensor.size(0)] = tensor.detach().to(device)
-    parts = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(parts, padded)
+    parts = _gathered(group, padded)
     origin = tensor.device if tensor is not None else torch.device('cpu')
     return torch.cat([part[:n] for part, n in zip(parts, rows)]).to(origin), rows
 
 
-def gather_predictions(predictions, indices):
+def gather_predictions(predictions, indices, group=None):
     """Every rank's predictions in dataset order, each sample once: what one process predicting them all returns.
 
     Example:
@@ -91,10 +111,17 @@ def gather_predictions(predictions, indices):
     Args:
         predictions (torch.Tensor): this rank's predictions, one row per sample (None for none)
         indices (list): the dataset index of each row, in order; longer lists are cut to the rows
+        group (DistGroup or QuorumGroup or HierarchicalGroup): whose predictions, through that group's collectives;
+            None: the default process group
 
     Returns:
         torch.Tensor: the rows of all ranks sorted by dataset index, a sample predicted on several
         ranks (a padding sampler repeats some) kept once
+
+    Raises:
+        ValueError: more predictions than indices (before any collective)
+        IncompleteGather: a RuntimeError: torchft failed a collective of the gather (see :func:`all_gather_rows`):
+            never predictions with some replicas' rows missing
 
     .. warning:: A synchronization point: every rank must call it.
     """
@@ -102,8 +129,8 @@ def gather_predictions(predictions, indices):
     if len(indices) < rows:
         raise ValueError('{} predictions but only {} sample indices; pass the sampler that fed them'.format(
             rows, len(indices)))
-    gathered, _ = all_gather_rows(predictions)
-    where, _ = all_gather_rows(torch.tensor(list(indices)[:rows], dtype=torch.int64))
+    gathered, _ = all_gather_rows(predictions, group=group)
+    where, _ = all_gather_rows(torch.tensor(list(indices)[:rows], dtype=torch.int64), group=group)
     if gathered is None:
         return predictions
     order = torch.argsort(where.to(gathered.device), stable=True)
