@@ -1,4 +1,5 @@
-"""The one decision of why a rank stops (runtime/_decision.py): every rule on facts, no process, clock or store."""
+"""The one fold of why a rank stops (runtime/_decision.py): every rule on events and facts, no process, clock or
+store."""
 from dataclasses import replace
 from datetime import timedelta
 
@@ -8,21 +9,34 @@ import torch.distributed as dist
 from torchbearer_dist.runtime import _diagnosis
 from torchbearer_dist.runtime._decision import (
     ARGUMENT,
+    CAUGHT,
     COLLECTIVE,
-    HEARTBEAT,
-    INTERRUPT,
+    FOUND,
+    INTERRUPTED,
     JOIN,
     LEAVE,
     OWN,
     PREEMPTED,
+    PUBLISH,
+    RAISE,
+    READ,
+    READERS,
     REPORTED,
     RUN,
     SETUP,
+    STOP_PEERS,
+    TOLD,
+    WAIT,
+    WAKE,
     Decision,
+    Event,
     Facts,
+    Memory,
+    State,
     classify,
     decide,
     first_failure,
+    fold,
 )
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.env import DistEnv
@@ -53,7 +67,7 @@ def test_the_timing_is_derived_from_the_users_timeouts():
     assert (Timing(60.0).guess, Timing(2.0).guess, Timing(60.0).last_rank, Timing(60.0).listener) == (
         3.0, 2.0, 63.0, 95.0)
     assert Timing(60.0, 30.0).gloo_connect == 30.0 and Timing(60.0, 1800.0).gloo_connect == 60.0
-    assert (TIMING.read_wait(True), TIMING.read_wait(False)) == (1.0, Timing.CAUSE_WAIT)
+    assert (Timing.READ_TIMED_OUT, Timing.CAUSE_WAIT) == (1.0, 3.0)
 
 
 def test_classify_reads_what_was_caught_never_its_words():
@@ -66,13 +80,21 @@ def test_classify_reads_what_was_caught_never_its_words():
     assert classify(KeyboardInterrupt(), JOIN) == OWN
 
 
+def _fold(*events, rank=1, world_size=2, state=None):
+    """The state and every action after folding ``events``, in order."""
+    state, actions = state or State(_env(rank, world_size), timing=TIMING), []
+    for event in events:
+        state, more = fold(state, event)
+        actions += more
+    return state, actions
+
+
 def test_the_heartbeat_publishes_where_the_store_answers_or_reads_another_ranks_cause():
-    found = decide(_facts(HEARTBEAT, None, heartbeat=SILENT, store_answers=True), TIMING)
-    assert found == Decision(SILENT, publish=True, wake=True)
-    assert not decide(_facts(HEARTBEAT, None, heartbeat=SILENT, store_answers=False), TIMING).publish
-    ask = decide(_facts(HEARTBEAT, None), TIMING)
-    assert (ask.read, ask.deaths, ask.cause) == (0.0, False, None)
-    assert decide(_facts(HEARTBEAT, None, gathered=True, published=BAD), TIMING) == Decision(BAD, wake=True)
+    state, actions = _fold(Event(FOUND, cause=SILENT, store_answers=True))
+    assert (state.heartbeat, actions) == (SILENT, [(PUBLISH, SILENT, True), (WAKE, True)])
+    assert _fold(Event(FOUND, cause=SILENT, store_answers=False))[1] == [(WAKE, True)]
+    state, actions = _fold(Event(FOUND, published=BAD))  # read by the heartbeat's thread
+    assert (state.heartbeat, actions) == (BAD, [(WAKE, True)])
 
 
 def test_a_job_of_one_and_a_preemption_in_the_block_raise_as_they_are():
@@ -116,18 +138,22 @@ def test_a_published_guess_that_this_rank_was_lost_read_right_after_its_own_paus
     # CI, issue 42's stop: rank 1, stopped past the limit, read rank 0's "no heartbeat from rank 1" before the
     # store went, and said that instead of its own pause
     frozen, lost = _diagnosis.frozen(1, 25.0, LIMIT), _diagnosis.no_heartbeat(1, LIMIT)
-    assert decide(_facts(HEARTBEAT, None, gathered=True, published=lost, frozen=frozen), TIMING) == Decision(
-        frozen, wake=True)
-    assert decide(_facts(HEARTBEAT, None, gathered=True, published=lost), TIMING).cause == lost  # not paused
+    back = dict(now=101.0, memory=Memory(awake=101.0, resumed=101.0, frozen=(25.0, 100.0)))  # a second after it
+    assert _fold(Event(FOUND, published=lost, **back))[1] == [(WAKE, True)]
+    assert _fold(Event(FOUND, published=lost, **back))[0].heartbeat == frozen
+    assert _fold(Event(FOUND, published=lost))[0].heartbeat == lost  # not paused
     for other in (SILENT, BAD, _diagnosis.own_cause(1, ValueError('bad batch'))):  # another rank; its own words
-        assert decide(_facts(HEARTBEAT, None, gathered=True, published=other, frozen=frozen), TIMING).cause == other
+        assert _fold(Event(FOUND, published=other, **back))[0].heartbeat == other
 
 
-def test_a_collective_error_asks_the_store_first_briefly_after_a_timeout():
-    ask = decide(_facts(RUN), TIMING)
-    assert (ask.read, ask.deaths) == (Timing.CAUSE_WAIT, True)
-    ask = decide(_facts(RUN, timed_out=True), TIMING)
-    assert (ask.read, ask.deaths) == (1.0, False)
+def test_a_collective_error_asks_the_store_first_briefly_after_a_timeout_which_a_death_does_not_end():
+    assert decide(_facts(RUN), TIMING).read == Timing.CAUSE_WAIT
+    assert decide(_facts(RUN, timed_out=True), TIMING).read == Timing.READ_TIMED_OUT == 1.0
+    # rank 1's beat unchanged for the limit (timed out: it fell silent, then went) or for a moment (it died)
+    for changed, actions in ((90.0, [(WAIT,), (READ, False)]), (99.9, [(PUBLISH, _diagnosis.died([1]), False)])):
+        seen = Memory(awake=100.0, resumed=0.0, last={1: 5}, changed={1: changed}, dead={1: 99.95})
+        state, _ = _fold(Event(CAUGHT, 100.0, seen, error=dist.DistNetworkError('closed'), phase=RUN), rank=0)
+        assert _fold(Event(TOLD, 100.1, seen), state=state)[1][:len(actions)] == actions
 
 
 def _told(**kwargs):
@@ -216,6 +242,31 @@ def test_a_closed_connection_that_names_no_rank_is_not_published_by_a_rank_other
 @pytest.mark.parametrize('world_size', [1, 2])
 def test_a_ctrl_c_the_main_thread_did_not_take_is_this_ranks_own_cause_told_to_its_peers(world_size):
     """The Ctrl-C watcher asks too: its rank's own cause, published and its collective failed where peers wait."""
-    found = decide(_facts(INTERRUPT, None, rank=0, world_size=world_size), TIMING)
-    assert found == Decision(_diagnosis.interrupted(0), publish=world_size > 1, wake=world_size > 1)
-    assert found.cause.line() == 'rank 0 failed: KeyboardInterrupt: interrupted (SIGINT)'
+    state, actions = _fold(Event(INTERRUPTED), rank=0, world_size=world_size)
+    mine = _diagnosis.interrupted(0)
+    assert actions == ([(PUBLISH, mine, False), (WAKE, False)] if world_size > 1 else []) and state.heartbeat is None
+    assert mine.line() == 'rank 0 failed: KeyboardInterrupt: interrupted (SIGINT)'
+
+
+def test_the_main_threads_stop_folds_its_error_the_stores_answers_and_its_readers():
+    """A peer killed: rank 0 catches gloo's closed connection, reads the store until its heartbeat's sample of
+    /proc sees the peer gone, publishes that, stops the peers, waits for its readers and raises; later facts
+    change nothing. Rank 1 first asks whether the master's port accepts: refused, rank 0 is gone."""
+    error = dist.DistNetworkError('Connection closed by peer')
+    alive, gone = Memory(awake=100.0, resumed=0.0), Memory(awake=100.2, resumed=0.0, dead={1: 100.1})
+    state, actions = _fold(Event(CAUGHT, 100.0, alive, error=error, phase=RUN), rank=0)
+    assert actions == [(READ, False)] and state.until == 100.0 + Timing.CAUSE_WAIT
+    state, actions = _fold(Event(TOLD, 100.05, alive), state=state)
+    assert actions == [(WAIT,), (READ, False)]  # nothing yet: read again
+    state, actions = _fold(Event(TOLD, 100.25, gone), state=state)
+    died = _diagnosis.died([1])
+    assert actions == [(PUBLISH, died, False), (STOP_PEERS,), (READERS, (), False)]
+    assert _fold(Event(TOLD, 100.3, gone, read=True), state=state)[1] == [(RAISE, died)]
+    assert _fold(Event(TOLD, 100.3, gone), state=state)[1] == [(WAIT,), (READERS, (), False)]  # not yet read
+    assert _fold(Event(TOLD, 100.25 + Timing.READERS, gone), state=state)[1] == [(RAISE, died)]  # waited enough
+    assert _fold(Event(FOUND, 100.4, gone, cause=SILENT), state=state)[1] == []
+    state, actions = _fold(Event(CAUGHT, 100.0, alive, error=error, phase=RUN), rank=1)
+    assert actions == [(READ, True)]
+    gone_master = _diagnosis.master_gone(_env())
+    assert _fold(Event(TOLD, 100.1, alive, master='refused'), state=state)[1] == [
+        (STOP_PEERS,), (RAISE, gone_master)]

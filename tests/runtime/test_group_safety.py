@@ -180,7 +180,7 @@ LINGER = 10.0
 def _worker_fail_holding_a_work(folder):
     """Rank 1 raises with a pending all-reduce referenced from its traceback, and lingers alive, holding it;
     rank 0 waits in its next all-reduce. Nothing but the package's failure path can wake rank 0 before
-    the linger ends: ``destroy_process_group`` alone leaves gloo's connections open (_gloo_sockets.py),
+    the linger ends: ``destroy_process_group`` alone leaves gloo's connections open (_live.py),
     and no launcher kills either rank (run_workers kills only after a report)."""
     import torch
     import torch.distributed as dist
@@ -236,12 +236,12 @@ def _worker_gloo_connections():
     import torch
     import torch.distributed as dist
 
-    from torchbearer_dist.runtime import _gloo_sockets, env
+    from torchbearer_dist.runtime import _live, env
     dist.all_reduce(torch.ones(1))  # gloo may accept a peer's connection only when it is first used
     listener = socket.create_server(('127.0.0.1', 0))  # a foreign connection, opened while the group lives
     client = socket.create_connection(listener.getsockname())
     accepted, _ = listener.accept()
-    found = [fd for fd, _ in _gloo_sockets.connections(env._live.gloo, dist.get_rank())]
+    found = [fd for fd, _ in _live.connections(env._live.gloo, dist.get_rank())]
     foreign = {listener.fileno(), client.fileno(), accepted.fileno()}
     for sock in (accepted, client, listener):
         sock.close()

@@ -1,7 +1,7 @@
-"""Canary: the c10d store key and gloo address layout that ``runtime/_gloo_sockets.py`` reads are still there.
+"""Canary: the c10d store key and gloo address layout that ``runtime/_live.py`` reads are still there.
 
 Fails on the pinned torch if a torch upgrade moved them; the package then warns once at run time
-(``_gloo_sockets.LOST``) that a silent peer ends a job only at the process group's timeout.
+(``_live.LOST``) that a silent peer ends a job only at the process group's timeout.
 """
 import os
 import shutil
@@ -10,21 +10,21 @@ import warnings
 
 import pytest
 
-from torchbearer_dist.runtime import _gloo_sockets
+from torchbearer_dist.runtime import _live
 
 from _dist import run_command
 
 _SCRIPT = r'''
 import datetime, os, socket, struct, warnings
 import torch.distributed as dist
-from torchbearer_dist.runtime import _gloo_sockets
+from torchbearer_dist.runtime import _live
 warnings.simplefilter('error')  # a LOST warning fails the run
 probe = socket.socket(); probe.bind(('127.0.0.1', 0)); port = probe.getsockname()[1]; probe.close()
 store = dist.TCPStore('127.0.0.1', port, 1, True, timeout=datetime.timedelta(seconds=20))
 dist.init_process_group('gloo', store=store, rank=0, world_size=1)
 raw = store.get('{}//cpu//0/0'.format(dist.group.WORLD.group_name))  # the key itself, before any parsing
-found = _gloo_sockets.endpoints(store, dist.group.WORLD.group_name, 0, 1)
-listening = [local for fd, inode, local, remote in _gloo_sockets._sockets() if remote is None]
+found = _live.endpoints(store, dist.group.WORLD.group_name, 0, 1)
+listening = [local for fd, inode, local, remote in _live._sockets() if remote is None]
 print('KEY', len(raw), 'HOST', raw[8:8 + struct.unpack_from('<Q', raw)[0]], 'FOUND', found, 'LISTENING', listening,
       flush=True)
 assert found is not None and found[0] in listening, (found, listening)
@@ -71,11 +71,11 @@ def test_a_layout_not_found_warns_once_naming_the_lost_guarantee():
     import torch
 
     from torchbearer_dist import _once
-    _once._given.discard(_gloo_sockets.LOST.format(torch.__version__))  # once per process: start afresh
+    _once._given.discard(_live.LOST.format(torch.__version__))  # once per process: start afresh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        assert _gloo_sockets.endpoints(_NoKeys(), '0', 0, 2) is None
-        assert _gloo_sockets.endpoints(_NoKeys(), '0', 1, 2) is None
+        assert _live.endpoints(_NoKeys(), '0', 0, 2) is None
+        assert _live.endpoints(_NoKeys(), '0', 1, 2) is None
     lost = [w for w in caught if 'wakes only at the process group' in str(w.message)]
     if sys.platform.startswith('linux'):
         assert len(lost) == 1 and issubclass(lost[0].category, RuntimeWarning)

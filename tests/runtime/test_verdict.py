@@ -2,10 +2,10 @@
 simulated clock, store and process table; no thread, socket or real clock.
 
 What runs is the package's code. Each rank is a real :class:`~torchbearer_dist.runtime._watchdog.Watchdog`
-(its ``__init__``, so its beat and its :class:`~torchbearer_dist.runtime._verdict.Limits`), whose two thread
+(its ``__init__``, so its beat and its :class:`~torchbearer_dist.runtime._decision.Limits`), whose two thread
 bodies, ``_beat`` and ``_watch``, are compiled from their source as coroutines: each store call and each
 wait becomes a ``yield`` to the simulator, and every line between is the package's, judging with
-:func:`~torchbearer_dist.runtime._verdict.judge` and reporting with ``_diagnosis.cause_of``. A local peer's
+:func:`~torchbearer_dist.runtime._decision.judge` and reporting with ``_diagnosis.cause_of``. A local peer's
 death is read by :func:`~torchbearer_dist.runtime._peers.dead_local_ranks` from a simulated ``/proc``.
 
 What is simulated is the world around that code: the store lives in rank 0's process (stopped with it,
@@ -16,13 +16,15 @@ one rank that then gives up and exits); each store call's latency; each thread's
 then gone, its pid maybe reused.
 
 A verdict goes where it goes in a process: to the rank's live group, a real
-:class:`~torchbearer_dist.runtime._live.LiveGroup` (``_on_watchdog``, then ``failed`` on its main thread, with
-``_gather``), which asks the real :func:`~torchbearer_dist.runtime._decision.decide` and publishes, reads the
-cause, wakes its main thread and waits for its readers through the simulated store, ``/proc`` and master's port.
+:class:`~torchbearer_dist.runtime._live.LiveGroup`, the one applier, which folds it (and, when the main thread
+stops, the error it caught, the store's answers and its waits' ends) with the real
+:func:`~torchbearer_dist.runtime._decision.fold` and takes the actions: it publishes, reads the cause, wakes its
+main thread, stops its peers and waits for its readers through the simulated store, ``/proc`` and master's port.
 Its wake fails the main thread's collective at once, or after the step it computes (``Rank.busy``); a main thread
 may also catch gloo's closed connection at a chosen moment (``Rank.fails``). What the main thread raises is the
-rank's answer. The main thread's stop runs at once: the world waits while it polls, which holds where it polls
-for what is already there (a cause published, a peer gone); rank 0's wait for its readers then lasts its 3 s.
+rank's answer. While the main thread waits (it polls the store, waits for the heartbeat to name a rank, or rank 0
+for its readers) the world goes on: every other thread runs, its own heartbeat's too, whose samples of ``/proc``
+are the main thread's facts.
 
 The bounds asserted are the ones docs/troubleshooting.rst states, in beats (a second, or a quarter of a
 rendezvous timeout under 4 s), plus what the schedule's own load added (its slowest round, its latest
@@ -52,8 +54,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchbearer_dist.runtime import _decision, _diagnosis, _live, _peers, _timing, _verdict, _watchdog
-from torchbearer_dist.runtime._verdict import (
+from torchbearer_dist.runtime import _decision, _diagnosis, _live, _peers, _watchdog
+from torchbearer_dist.runtime._decision import (
     DIED,
     FROZEN,
     LEFT,
@@ -102,14 +104,17 @@ def _client_timeout(limit):
 # -------------------------------------------------------------------- the package's code, on a simulated clock
 class _Clock:
     """``time`` for the compiled code: ``monotonic()`` is the simulation's now; ``sleep`` (the live group's main
-    thread, run at once, see :meth:`Job.fail`) moves it on."""
+    thread, see :meth:`Job._fail`) moves it on, the world running meanwhile: every other thread's events come."""
     now = 0.0
 
     def monotonic(self):
         return self.now
 
     def sleep(self, seconds):
-        self.now += seconds
+        until = self.now + seconds
+        if CURRENT.job is not None:
+            CURRENT.job.advance(until)
+        self.now = until
 
 
 CLOCK = _Clock()
@@ -152,23 +157,19 @@ class _Peers:
 
 
 _PEERS = _Peers()
-_POLL = _rebind(_timing.poll, time=CLOCK)
 
 
 class _Recorded:
-    """``_diagnosis`` for the compiled code: the real module, except that each verdict turned into a cause
-    is also recorded for the simulator (the cause alone does not say which rule fired), and its polls of the
-    store wait on the simulated clock and read the simulated ``/proc``."""
-    read_cause = staticmethod(_rebind(_diagnosis.read_cause, _peers=_PEERS, poll=_POLL))
-    wait_until_read = staticmethod(_rebind(_diagnosis.wait_until_read, _peers=_PEERS, poll=_POLL))
+    """``_decision`` for the compiled code: the real module, except that each verdict turned into a cause is also
+    recorded for the simulator (the cause alone does not say which rule fired)."""
 
     def __getattr__(self, name):
-        return getattr(_diagnosis, name)
+        return getattr(_decision, name)
 
     @staticmethod
     def cause_of(verdict, env):
         CURRENT.job.verdicts[env.rank] = verdict
-        return _diagnosis.cause_of(verdict, env)
+        return _decision.cause_of(verdict, env)
 
 
 class _Client:
@@ -255,23 +256,22 @@ def _coroutine(method, names, points):
     return namespace[method.__name__]
 
 
-_NAMES = {'time': CLOCK, '_diagnosis': _Recorded(), '_peers': _PEERS}
+_NAMES = {'time': CLOCK, '_decision': _Recorded(), '_peers': _PEERS}
 _INIT = _rebind(_watchdog.Watchdog.__init__, **_NAMES)
 _BEAT = _coroutine(_watchdog.Watchdog._beat, _NAMES, ['self._stop.wait', 'store.add', 'store.check',
                                                        'store.multi_get'])
 _WATCH = _coroutine(_watchdog.Watchdog._watch, _NAMES, ['self._stop.wait'])
-_SILENCES = _rebind(_watchdog.Watchdog.silences, **_NAMES)
-_FROZEN_CAUSE = _rebind(_watchdog.Watchdog.frozen_cause, **_NAMES)
 
 
 class _Live(_live.LiveGroup):
-    """A rank's live group: the package's own, whose heartbeat's ``on_failure`` (:meth:`_on_watchdog`) and main
-    thread's stop (:meth:`failed`) ask the real :func:`~torchbearer_dist.runtime._decision.decide` and act on it,
-    reading the simulated clock, store, ``/proc`` and master's port. It has no gloo connections and no torch
-    group: stopping its peers does nothing, and waking its main thread is the simulator's (:meth:`Job.fail`)."""
-    _on_watchdog = _rebind(_live.LiveGroup._on_watchdog, **_NAMES)
-    failed = _rebind(_live.LiveGroup.failed, **_NAMES)
-    _gather = _rebind(_live.LiveGroup._gather, **_NAMES)
+    """A rank's live group: the package's own applier, which folds every event (its heartbeat's verdict, its main
+    thread's error, the store's answers, a wait's end) with the real :func:`~torchbearer_dist.runtime._decision.fold`
+    and takes its actions, reading the simulated clock, store, ``/proc`` and master's port. It has no gloo
+    connections and no torch group: stopping its peers does nothing, and waking its main thread is the
+    simulator's (:meth:`Job.fail`)."""
+    _event = _rebind(_live.LiveGroup._event, **_NAMES)
+    _apply = _rebind(_live.LiveGroup._apply, **_NAMES)
+    _read = _rebind(_live.LiveGroup._read, **_NAMES)
 
     def interrupt_collectives(self):
         """The world's part of the wake: the running rank's collective fails now, or its next one, after the
@@ -298,11 +298,14 @@ class Rank:
     pending: list = field(default_factory=list)  # latencies drawn ahead for its next round
     fails: float = INF  # when its main thread's collective fails (gloo's connection to a peer closed)
     busy: float = 0.0  # its main thread computes this long between collectives: a wake fails its next one
+    raises: float = INF  # when its own training code raises (ValueError): its main thread stops with it
+    interrupt: float = INF  # when its Ctrl-C watcher finds a Ctrl-C its main thread did not take (the grace spent)
     watchdog: object = None
     live: object = None  # its live group (_Live)
     threads: dict = field(default_factory=dict)
     verdict: tuple = None  # (time, Verdict)
     raised: tuple = None  # (time, what its main thread raises: a PeerFailedError, or None for the error itself)
+    failing: bool = False  # its main thread is stopping
 
     def resumes(self, t):
         """When this process runs an event due at ``t``: after any stop that holds ``t``."""
@@ -339,9 +342,8 @@ class Job:
             _INIT(watchdog, env, _Client(), lambda cause, answers, r=r: self._end(r, cause, answers),
                   dead_ranks=lambda peers=peers: _DEAD_LOCAL_RANKS(peers))
             watchdog._stop = _Stop()
-            watchdog.silences = types.MethodType(_SILENCES, watchdog)
-            watchdog.frozen_cause = types.MethodType(_FROZEN_CAUSE, watchdog)
             r.live = _Live(env, _Direct(self, r), None)
+            r.live.client = _Direct(self, r)
             atexit.unregister(r.live._at_exit)
             r.live.watchdog, r.live.peers = watchdog, peers
             r.threads = {'beat': _BEAT(watchdog), 'watch': _WATCH(watchdog)}
@@ -351,6 +353,9 @@ class Job:
                 self._at(r.left, r, None, 'leave', None)
             if r.fails < INF:
                 self.fail(r, r.fails)
+            for action in ('raises', 'interrupt'):
+                if getattr(r, action) < INF:
+                    self._at(getattr(r, action), r, None, action, None)
 
     # ---------------------------------------------------------------- the world's answers
     def stat(self, pid):
@@ -472,18 +477,20 @@ class Job:
         another rank's) and wakes the main thread."""
         t, verdict = CLOCK.now, self.verdicts[r.rank]
         r.verdict = (t, verdict)
-        r.live._on_watchdog(_Direct(self, r), cause, store_answers)
+        r.live._on_watchdog(cause, store_answers)
 
     def fail(self, r, t):
         """At ``t``, ``r``'s main thread catches a collective error (gloo's connection closed, or its heartbeat
         woke it): see :meth:`_fail`."""
         self._at(t, r, None, 'fail', None)
 
-    def _fail(self, r, t):
-        """The live group's stop runs at once, from the error to what the main thread raises (the world waits
-        while it polls); then this rank ends, rank 0 once its readers read or it gave up on them."""
-        CLOCK.now = t
-        r.raised = (t, r.live.failed(dist.DistNetworkError('Connection closed by peer'), _decision.RUN))
+    def _fail(self, r, t, error=None):
+        """The live group's stop, from the ``error`` (by default gloo's closed connection) to what the main thread
+        raises: its waits let the world run (every other thread's events, this rank's heartbeat's too); then this
+        rank ends, rank 0 once its readers read or it gave up on them."""
+        CLOCK.now, r.failing = t, True
+        error = error or dist.DistNetworkError('Connection closed by peer')
+        r.raised = (t, r.live.failed(error, _decision.RUN))
         r.gil, r.exit = min(r.gil, t), min(r.exit, CLOCK.now + EXIT_AFTER)
         r.reaped = min(r.reaped, r.exit + self.rnd.uniform(0, 0.5))
 
@@ -491,26 +498,34 @@ class Job:
         previous = CURRENT.job
         CURRENT.job = self
         try:
-            while self.events:
-                t, _, rank, thread, action, value = heapq.heappop(self.events)
-                r = CURRENT.rank = self.ranks[rank]
-                if t > self.horizon:
-                    break
-                if action == 'serve':  # the store answers whatever its caller does meanwhile
-                    self._at(r.resumes(t + self._latency(r)), r, thread, 'resume', self._serve(r, t, value))
-                elif action == 'leave':  # the main thread marks the rank left; its threads stop; it exits
-                    if r.runs(t) and self._store(r, t)[0] == 'ok':
-                        self.counters['hb/{}'.format(r.rank)] += LEFT
-                    r.gil, r.exit = min(r.gil, t), min(r.exit, t + self.rnd.uniform(0.001, EXIT_AFTER))
-                    r.reaped = min(r.reaped, r.exit + self.rnd.uniform(0, 0.5))
-                elif action == 'fail':
-                    if t < r.exit:
-                        self._fail(r, r.resumes(t))
-                elif r.runs(t):
-                    self._step(r, thread, t, action, value)
+            self.advance(self.horizon)
         finally:
             CURRENT.job = previous
         return self
+
+    def advance(self, until):
+        """Run every event due by ``until``, in time order (also while a main thread waits: see :class:`_Clock`)."""
+        running = CURRENT.rank
+        while self.events and self.events[0][0] <= until:
+            t, _, rank, thread, action, value = heapq.heappop(self.events)
+            r = CURRENT.rank = self.ranks[rank]
+            if action == 'serve':  # the store answers whatever its caller does meanwhile
+                self._at(r.resumes(t + self._latency(r)), r, thread, 'resume', self._serve(r, t, value))
+            elif action == 'leave':  # the main thread marks the rank left; its threads stop; it exits
+                if r.runs(t) and self._store(r, t)[0] == 'ok':
+                    self.counters['hb/{}'.format(r.rank)] += LEFT
+                r.gil, r.exit = min(r.gil, t), min(r.exit, t + self.rnd.uniform(0.001, EXIT_AFTER))
+                r.reaped = min(r.reaped, r.exit + self.rnd.uniform(0, 0.5))
+            elif action in ('fail', 'raises'):
+                if t < r.exit and not r.failing:  # once: a wake while its main thread stops is no news
+                    self._fail(r, r.resumes(t), ValueError('bad batch') if action == 'raises' else None)
+            elif action == 'interrupt':  # from the Ctrl-C watcher's thread, whatever the main thread does
+                if t < r.exit and r.resumes(t) == t:
+                    CLOCK.now = t
+                    r.live.interrupted()
+            elif r.runs(t):
+                self._step(r, thread, t, action, value)
+        CURRENT.rank = running
 
     def named(self, r):
         """The rank that ``r``'s main thread names: the rank of the PeerFailedError it raises, its own when it
@@ -729,7 +744,7 @@ def test_a_local_rank_cut_off_that_gives_up_and_exits_is_named_for_its_silence_n
         j = _job(limit, seed=seed, r1={'cut': 3.0, 'exit': gone, 'reaped': gone + 0.1})
         t, verdict = j.ranks[0].verdict
         assert (verdict.kind, verdict.rank) == (SILENT, 1), seed
-        assert _diagnosis.cause_of(verdict, DistEnv(0, 2, 0, 'h', 1, 'gloo', timeout=timedelta(seconds=limit))
+        assert _decision.cause_of(verdict, DistEnv(0, 2, 0, 'h', 1, 'gloo', timeout=timedelta(seconds=limit))
                                    ).line().startswith('no heartbeat from rank 1 for {:g} s'.format(limit))
         j = _job(limit, seed=seed, r1={'exit': 3.0, 'reaped': 3.5})
         t, verdict = j.ranks[0].verdict
@@ -798,14 +813,65 @@ def test_a_peer_killed_is_named_dead_unless_its_beat_stopped_half_the_limit_befo
 @pytest.mark.parametrize('limit', [4.0, 60.0])
 def test_a_kill_caught_by_two_ranks_at_once_is_named_once_by_both(limit):
     # Rank 2 is killed while the others are in a collective: both catch the closed connection at once, both find
-    # it gone and publish that (the first stays); rank 0 waits for its readers.
+    # it gone (their heartbeat's next sample of /proc) and publish that (the first stays); rank 0 waits for its readers.
     for seed in range(3):
         at = limit + 0.37 * seed
         j = _job(limit, world_size=3, seed=seed, r0={'fails': at}, r1={'fails': at},
                  r2={'exit': at, 'reaped': at + 0.5}, horizon=at + 10)
         line = _diagnosis.died([2]).line()
         assert [_stopped_by(j, r) for r in (0, 1)] == [(2, line + ' (rank 0 stopped)'), (2, line + ' (rank 1 stopped)')]
-        assert j.published == _diagnosis.died([2]) and j.error == at
+        # seen gone by the heartbeat's watch, which samples the process table four times a beat
+        assert j.published == _diagnosis.died([2]) and at <= j.error <= at + j.wake(j.ranks[0]) + 0.05, j.error
+
+
+# -------------------------------------------------------------------- several faults at once, Ctrl-C in each phase
+@pytest.mark.timeout(180)
+@settings(max_examples=EXAMPLES // 4, deadline=None, database=None, derandomize=not SOAK,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2 ** 32 - 1), st.integers(2, 4), st.sampled_from(LIMITS), st.data())
+def test_errors_raised_on_several_ranks_at_once_are_each_their_own_and_the_first_is_everyones(seed, world_size,
+                                                                                             limit, data):
+    # Each raiser's main thread publishes its own error (the first stays) and raises it; every other rank reads the
+    # first one, by its heartbeat, and names it, within a beat and a quarter of its publishing.
+    raisers = data.draw(st.sets(st.integers(0, world_size - 1), min_size=2 if world_size > 2 else 1))
+    rnd = random.Random(seed)
+    at = rnd.uniform(_beat(limit), 2 * limit)
+    ranks = _ranks(rnd, world_size)
+    for r in raisers:
+        ranks[r].raises = at + rnd.choice((0.0, 0.0, rnd.uniform(0, 0.01)))  # at once, or a moment apart
+    j = Job(rnd, world_size, limit, ranks, horizon=at + 2 * limit + READERS_WAIT + 3, latency=0.02).run()
+    assert j.published is not None and j.published.rank in raisers, (raisers, j.published)
+    assert [j.named(r) for r in ranks] == [r.rank if r.rank in raisers else j.published.rank for r in ranks], (
+        raisers, j.published, [(r.rank, r.verdict, r.raised) for r in ranks])
+    for r in ranks:
+        if r.rank not in raisers:
+            assert r.raised[0] - j.error <= j.period(r) + 6 * j.latency * j.beat + j.wake(r) + 0.05, (r.rank, j.error)
+
+
+@pytest.mark.parametrize('limit', [4.0, 60.0])
+@pytest.mark.parametrize('phase', ['training', 'stopping', 'readers', 'alone'])
+def test_a_ctrl_c_the_main_thread_does_not_take_ends_the_job_in_each_phase(limit, phase):
+    # Rank 1's Ctrl-C watcher gives up on its main thread (blocked in a collective): its own cause is published and
+    # its collective failed, and every rank names rank 1. While the ranks stop for rank 2, killed a moment before,
+    # each names one of the two real causes and nobody hangs; once rank 0 has decided (it waits for its readers),
+    # a Ctrl-C changes nothing. In a job of one, the main thread's own handling is all there is: nothing is published.
+    for seed in range(3):
+        at, world_size = limit + 0.37 * seed, 1 if phase == 'alone' else 3
+        killed = {'r2': {'exit': at, 'reaped': at + 0.5}}
+        fields = {'training': {'r1': {'interrupt': at}},
+                  'stopping': {'r0': {'fails': at}, 'r1': {'fails': at, 'interrupt': at + 0.05}, **killed},
+                  'readers': {'r0': {'fails': at, 'interrupt': at + 0.5}, 'r1': {'busy': 0.6}, **killed},
+                  'alone': {'r0': {'interrupt': at}}}[phase]
+        j = _job(limit, world_size=world_size, seed=seed, horizon=at + 10, **fields)
+        named = [j.named(r) for r in j.ranks if phase == 'training' or r.rank != 2]
+        if phase == 'alone':
+            assert j.ranks[0].raised is None and j.published is None
+        elif phase == 'training':
+            assert named == [1, 1, 1] and j.published == _diagnosis.interrupted(1), (seed, named)
+        elif phase == 'stopping':
+            assert None not in named and set(named) <= {1, 2}, (seed, named, j.published)
+        else:
+            assert named == [2, 2] and j.published == _diagnosis.died([2]), (seed, named, j.published)
 
 
 # -------------------------------------------------------------------- single rules, by hand
@@ -831,7 +897,7 @@ def test_a_silence_counts_from_the_sample_that_saw_the_last_beat_to_the_round_th
                         Observation(4.0, first), Observation(4.25, first), Observation(4.5, first),
                         Observation(4.75, first), Observation(5.5, late), Observation(5.75, later))
     assert verdicts[:-1] == [None] * (len(verdicts) - 1)
-    assert verdicts[-1] == _verdict.Verdict(SILENT, 1, 4.0, True)
+    assert verdicts[-1] == _decision.Verdict(SILENT, 1, 4.0, True)
 
 
 def test_a_wake_up_gap_longer_than_the_limit_is_this_ranks_own_pause_and_wins_for_a_limit():
@@ -855,7 +921,7 @@ def test_a_single_failed_store_round_after_a_pause_is_not_the_pause():
     _, verdicts = _fold(limits, Observation(1.0, Sample(0.9, 1.0, False, (1,))),
                         Observation(10.0, Sample(0.9, 1.0, False, (1,))),
                         Observation(11.25, Sample(0.9, 1.0, False, (1,)), failed=11.2, failures=2))
-    assert verdicts == [None, None, _verdict.Verdict(FROZEN, 1, 9.0, False)]
+    assert verdicts == [None, None, _decision.Verdict(FROZEN, 1, 9.0, False)]
 
 
 def test_a_local_peer_gone_after_marking_itself_left_is_not_named():
@@ -868,13 +934,13 @@ def test_a_local_peer_gone_after_marking_itself_left_is_not_named():
     _, verdicts = _fold(LIM, Observation(1.0, Sample(0.9, 1.0, False, (3,))),
                         Observation(2.0, Sample(0.9, 1.0, False, (3,)), dead=frozenset([1])),
                         Observation(3.25, Sample(3.0, 3.1, False, (4,)), dead=frozenset([1])))
-    assert verdicts == [None, None, _verdict.Verdict(DIED, 1, 0.0, True)]
+    assert verdicts == [None, None, _decision.Verdict(DIED, 1, 0.0, True)]
 
 
 def test_a_published_cause_wins_over_what_this_rank_finds():
     _, verdicts = _fold(LIM, Observation(1.0, Sample(0.9, 1.0, False, (1,))),
                         Observation(9.0, Sample(8.9, 9.0, True, (1,)), dead=frozenset([1])))
-    assert verdicts == [None, _verdict.Verdict(PUBLISHED, -1, 0.0, True)]
+    assert verdicts == [None, _decision.Verdict(PUBLISHED, -1, 0.0, True)]
 
 
 # -------------------------------------------------------------------- causes, from facts
@@ -884,7 +950,7 @@ ENV = DistEnv(rank=1, world_size=2, local_rank=1, host='10.0.0.1', port=29500, b
 
 def test_each_verdict_is_reported_as_its_cause():
     line = {kind: None if cause is None else (cause.rank, cause.kind, cause.line()) for kind, cause in (
-        (kind, _diagnosis.cause_of(Verdict(kind, rank, seconds, True), ENV)) for kind, rank, seconds in (
+        (kind, _decision.cause_of(Verdict(kind, rank, seconds, True), ENV)) for kind, rank, seconds in (
             (PUBLISHED, -1, 0.0), (SILENT, 0, 4.0), (DIED, 0, 0.0), (MASTER_SILENT, 0, 4.0), (FROZEN, 1, 9.6)))}
     assert line == {
         PUBLISHED: None,
@@ -932,12 +998,12 @@ def test_a_guess_is_a_fact_of_the_cause_and_travels_through_the_store():
 
 
 def test_a_peers_silence_is_read_from_the_heartbeats_memory_not_from_an_error():
-    limits = _verdict.Limits(0, (1, 2), 4.0)
-    memory, _ = _verdict.judge(_verdict.start(0.0), _verdict.Observation(
-        0.5, _verdict.Sample(0.1, 0.2, False, (3, 5))), limits)
-    memory, _ = _verdict.judge(memory, _verdict.Observation(
-        1.5, _verdict.Sample(1.1, 1.2, False, (4, 5 + _verdict.LEFT))), limits)
-    assert _verdict.silences(memory, 3.2) == {1: pytest.approx(2.0)}  # rank 1 changed at 1.2; rank 2 left
-    assert _verdict.silences(_verdict.start(0.0), 3.0) == {}
+    limits = _decision.Limits(0, (1, 2), 4.0)
+    memory, _ = _decision.judge(_decision.start(0.0), _decision.Observation(
+        0.5, _decision.Sample(0.1, 0.2, False, (3, 5))), limits)
+    memory, _ = _decision.judge(memory, _decision.Observation(
+        1.5, _decision.Sample(1.1, 1.2, False, (4, 5 + _decision.LEFT))), limits)
+    assert _decision.silences(memory, 3.2) == {1: pytest.approx(2.0)}  # rank 1 changed at 1.2; rank 2 left
+    assert _decision.silences(_decision.start(0.0), 3.0) == {}
     assert _decision.timed_out(RuntimeError('Timed out waiting'), None, 4.0) is False
     assert _decision.timed_out(RuntimeError('anything'), 2.5, 4.0) is True

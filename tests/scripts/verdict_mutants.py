@@ -1,5 +1,6 @@
-"""Each mutant of the heartbeat's verdict and sampling, of :func:`decide` and of the live group that acts on it
-must fail tests/runtime/test_verdict.py or tests/runtime/test_decision.py.
+"""Each mutant of the heartbeat's verdict and sampling, of the fold that decides every stop (:func:`fold` and its
+rules, :func:`decide`) and of the live group that applies it must fail tests/runtime/test_verdict.py or
+tests/runtime/test_decision.py.
 
 Run from the repository root: ``python tests/scripts/verdict_mutants.py [NAME ...]``. Each mutant is
 made in a copy of the package and the tests in a temporary folder (the working tree is never changed),
@@ -10,7 +11,7 @@ one core.
 The mutants are the three that passed every verdict test before (issue 34), a change of each bound that
 docs/troubleshooting.rst states for the heartbeat, the two that passed every fast runtime test before
 (issue 44: the heartbeat's cause never published, ``timed_out`` at a third of the limit), and rules of
-:func:`decide` and of its applier.
+the fold, of :func:`decide` and of the applier.
 """
 import os
 import re
@@ -20,12 +21,13 @@ import sys
 import tempfile
 import time
 
-VERDICT, WATCHDOG = 'torchbearer_dist/runtime/_verdict.py', 'torchbearer_dist/runtime/_watchdog.py'
+VERDICT, WATCHDOG = 'torchbearer_dist/runtime/_decision.py', 'torchbearer_dist/runtime/_watchdog.py'
 TIMING = 'torchbearer_dist/runtime/_timing.py'
 DECISION, LIVE = 'torchbearer_dist/runtime/_decision.py', 'torchbearer_dist/runtime/_live.py'
 TESTS = ['tests/runtime/test_decision.py', 'tests/runtime/test_verdict.py']
-#: The simulation's two properties (13 s of the 15): run once every other test passed.
-PROPERTIES = 'test_no_healthy_schedule_is_ever_judged_failed or test_every_failure_is_named_within_its_bound'
+#: The simulation's properties (most of its time): run once every other test passed.
+PROPERTIES = ('test_no_healthy_schedule_is_ever_judged_failed or test_every_failure_is_named_within_its_bound or '
+              'test_errors_raised_on_several_ranks_at_once')
 
 #: name: (file, text, replacement), the text found exactly once; or a list of them, the first that applies
 MUTANTS = {
@@ -65,25 +67,39 @@ MUTANTS = {
     'two beats per limit': [(WATCHDOG, '_BEATS_PER_LIMIT = 4', '_BEATS_PER_LIMIT = 2'),
                             (TIMING, 'self.beat = min(1.0, limit / 4)', 'self.beat = min(1.0, limit / 2)')],
     'watch once per beat': (TIMING, 'SAMPLES_PER_BEAT = 4', 'SAMPLES_PER_BEAT = 1'),
-    'the round begins after its read': (WATCHDOG, '_verdict.Sample(began, time.monotonic(),',
-                                        '_verdict.Sample(time.monotonic(), time.monotonic(),'),
-    # the two of issue 44: the live group never publishes what its heartbeat found; a killed peer whose beat
-    # rank 0 last saw change a third of the limit before is taken for silent
-    'heartbeat cause not published': (LIVE, 'if decision.publish:  # rank 0 too then learns',
-                                      'if False:  # rank 0 too then learns'),
+    'the round begins after its read': (WATCHDOG, '_decision.Sample(began, time.monotonic(),',
+                                        '_decision.Sample(time.monotonic(), time.monotonic(),'),
+    # the two of issue 44: the heartbeat never publishes the cause it found (its rank's peers then wait for their
+    # own verdict, or for gloo); a killed peer whose beat rank 0 last saw change a third of the limit before is
+    # taken for silent
+    'heartbeat cause not published': (DECISION, "((PUBLISH, cause, True),) * publish + ((WAKE, True),)",
+                                      "((WAKE, True),)"),
     'timed_out at limit/3': (TIMING, 'TIMED_OUT = 0.5', 'TIMED_OUT = 1 / 3'),
     'timed_out at 2/3 of the limit': (TIMING, 'TIMED_OUT = 0.5', 'TIMED_OUT = 2 / 3'),
-    # decide() and its applier: who publishes, who is woken, who waits for readers
-    'decide: heartbeat never publishes': (DECISION, 'publish=f.heartbeat is not None and f.store_answers,',
-                                          'publish=False,'),
-    'decide: heartbeat wakes nobody': (DECISION, 'f.heartbeat is not None and f.store_answers, wake=True)',
-                                       'f.heartbeat is not None and f.store_answers, wake=False)'),
-    'decide: only rank 0 publishes in the block': (DECISION, 'published = rank == 0 or cause.rank > 0 or',
-                                                   'published = rank == 0 or'),
-    'decide: rank 0 waits for no reader': (DECISION, 'readers=rank == 0, skip=cause.rank, stop_peers=True)',
-                                           'readers=False, skip=cause.rank, stop_peers=True)'),
-    'main thread publishes nothing': (LIVE, 'if decision.publish:\n            _diagnosis.publish(store,',
-                                      'if False:\n            _diagnosis.publish(store,'),
+    # the fold (its events, then decide()'s rules): who publishes, who is woken, who waits for readers, what ends a read
+    **{name: (DECISION, text, replacement) for name, text, replacement in [
+        ('fold: heartbeat publishes where the store fails', 'publish = e.cause is not None and e.store_answers',
+         'publish = e.cause is not None and not e.store_answers'),
+        ('fold: heartbeat wakes nobody', '* publish + ((WAKE, True),)', '* publish'),
+        ('fold: Ctrl-C publishes nothing', '((PUBLISH, causes.interrupted(env.rank), False), (WAKE, False))',
+         '((WAKE, False),)'),
+        ("fold: the heartbeat's cause not kept", 'return replace(s, heartbeat=cause), ', 'return s, '),
+        ('fold: later facts change a decision', 'if s.decided is not None:', 'if False:'),
+        ('fold: readers never waited for', 'if e.read or e.now >= s.until:', 'if True:'),
+        ('fold: a dead peer never ends a read', 'dead = tuple(sorted(e.memory.dead)) if not s.timed_out and',
+         'dead = () if not s.timed_out and'),
+        ('fold: the peers never stopped', '* d.publish + ((STOP_PEERS,),) * d.stop_peers', '* d.publish'),
+        ('decide: only rank 0 publishes in the block', 'published = rank == 0 or cause.rank > 0 or',
+         'published = rank == 0 or'),
+        ('decide: rank 0 waits for no reader', 'readers=rank == 0, skip=cause.rank, stop_peers=True)',
+         'readers=False, skip=cause.rank, stop_peers=True)')]},
+    # the applier: it publishes what it is told to, over the connection it is told
+    "applier: the heartbeat's connection publishes nothing": (
+        LIVE, '_diagnosis.publish(self.client if args[1] else self.store, args[0])',
+        'args[1] or _diagnosis.publish(self.client, args[0])'),
+    "applier: the main thread's connection publishes nothing": (
+        LIVE, '_diagnosis.publish(self.client if args[1] else self.store, args[0])',
+        'args[1] and _diagnosis.publish(self.client, args[0])'),
 }
 
 

@@ -1,15 +1,14 @@
 """The causes of a rank's stop, in words, and how they travel: published once in the store, read by the others.
 
 gloo says "Connection closed by peer" or "Timed out waiting ...", never naming the rank or its error; a
-:class:`Cause` does. Which cause wins is :func:`~torchbearer_dist.runtime._decision.decide`'s, from facts,
+:class:`Cause` does. Which cause wins is :func:`~torchbearer_dist.runtime._decision.fold`'s, from facts,
 never the message's words (a rank's own ``DataLoader timed out`` is its own).
 """
 import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-from torchbearer_dist.runtime import _peers, _verdict
-from torchbearer_dist.runtime._timing import Timing, poll
+from torchbearer_dist.runtime._timing import Timing
 
 LOCAL, PEER, NETWORK = 'local', 'peer', 'network'
 _SHORT = timedelta(seconds=Timing.STORE_CALL)
@@ -63,39 +62,16 @@ def publish(store, cause):
         pass
 
 
-def wait_until_read(store, world_size, seconds=Timing.READERS, skip=None):
-    """On rank 0, which hosts the store: wait (at most ``seconds``) until every other live rank but ``skip`` (the
-    rank the cause names) has read the cause, so that they report it before the store goes with this process.
-    Each reader marks itself by its rank (:func:`read_cause`'s ``reader``): rank 0's own reads, and a rank that
-    reads twice (its heartbeat and its main thread), count for nobody else."""
-    def read():
-        gone = set(_peers.dead_local_ranks()) | {skip}
-        keys = ['error_seen/{}'.format(r) for r in range(1, world_size) if r not in gone]
-        return not keys or store.check(keys)
-
-    try:
-        poll(read, seconds)
-    except Exception:  # the store is gone: nobody is left to read
-        pass
-
-
-def read_cause(store, wait=0.0, deaths=True, reader=None):
-    """``(cause, dead)``: the published :class:`Cause` (or None) and the local peers seen dead, polling up to
-    ``wait`` s; with ``deaths`` a dead peer ends the poll. ``reader``, this rank, is marked as having read it
-    (see :func:`wait_until_read`). Raises what the store raises when it stops answering."""
+def read_cause(store, reader):
+    """The :class:`Cause` published in the job's ``store``, or None. ``reader``, this rank, is marked as having
+    read it (``error_seen/<rank>``): rank 0, whose process holds the store, waits for its readers (see
+    :func:`~torchbearer_dist.runtime._decision.fold`). Raises what the store raises when it stops answering."""
     store.set_timeout(_SHORT)
-    dead = []
-
-    def found():  # the dead first: a peer seen gone published before it went, if it did
-        dead[:] = _peers.dead_local_ranks() if deaths else []
-        return store.check(['error']) or dead
-
-    if poll(found, wait) is not True:
-        return None, dead
+    if not store.check(['error']):
+        return None
     cause = Cause.from_json(store.get('error').decode())
-    if reader is not None:  # read: rank 0 may end its store now
-        store.set('error_seen/{}'.format(reader), '1')
-    return cause, dead
+    store.set('error_seen/{}'.format(reader), '1')  # read: rank 0 may end its store now
+    return cause
 
 
 def interrupted(rank):
@@ -151,13 +127,6 @@ def frozen(rank, seconds, limit):
                      rank, seconds, limit))
 
 
-def cause_of(verdict, env):
-    """The :class:`Cause` for a heartbeat's :class:`~torchbearer_dist.runtime._verdict.Verdict` in ``env``;
-    None for a cause another rank published (read it from the store)."""
-    return {_verdict.PUBLISHED: lambda: None, _verdict.DIED: lambda: died([verdict.rank]),
-            _verdict.FROZEN: lambda: frozen(verdict.rank, verdict.seconds, env.meet_timeout.total_seconds()),
-            _verdict.MASTER_SILENT: lambda: master_silent(env, verdict.seconds)}.get(
-                verdict.kind, lambda: no_heartbeat(verdict.rank, verdict.seconds))()
 
 
 def is_guess(cause):

@@ -7,7 +7,6 @@ or a process started at another time (reused): one ``/proc/<pid>/stat`` read per
 import os
 import socket
 
-from torchbearer_dist.runtime import env
 from torchbearer_dist.runtime._timing import Timing
 
 
@@ -56,17 +55,11 @@ def local_peers(store, rank, world_size):
     return peers
 
 
-def dead_local_ranks(peers=None):
+def dead_local_ranks(peers):
     """Ranks of this machine, ascending, whose process is gone (or a zombie; pid reuse is told by start time),
-    of ``peers`` (what :func:`local_peers` returned; by default the live group's)."""
-    if peers is None:
-        peers = env._live.peers if env._live is not None else {}
-    dead = []
-    for other, (pid, start) in sorted(peers.items()):
-        now = stat(pid)
-        if now is None or now[0] in ('Z', 'X') or now[19] != start:
-            dead.append(other)
-    return dead
+    of ``peers`` (what :func:`local_peers` returned)."""
+    return [other for other, (pid, start) in sorted(peers.items())
+            if (now := stat(pid)) is None or now[0] in ('Z', 'X') or now[19] != start]
 
 
 def probe(host, port):

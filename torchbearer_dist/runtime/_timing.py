@@ -11,8 +11,8 @@ class Timing:
     PROBE = 1.0  # whether the master's port accepts
     LEAVE_CALL = 1.0  # marking this rank left, against a master that may be frozen
     # a failed collective polls this long for the peer's cause (the peer wakes, unwinds and publishes within it);
-    # 1 s after a timeout, when the peer was silent for the timeout (read_wait)
-    CAUSE_WAIT = 3.0
+    # after a timeout, when the peer was silent for the timeout, this long
+    CAUSE_WAIT, READ_TIMED_OUT = 3.0, 1.0
     READERS = 3.0  # rank 0, whose process holds the store, waits at most this long for the others to read a cause
     CONNECT_GRACE = 2.0  # a main thread still inside gloo's connect this long after it was woken is ended
     STOPPED_EARLY = 3.0  # launch() names a rank stopped by a signal that much sooner: it is surely frozen
@@ -70,10 +70,6 @@ class Timing:
     def of(cls, env):
         """The :class:`Timing` of ``env`` (a :class:`~torchbearer_dist.runtime.env.DistEnv`)."""
         return cls(env.meet_timeout.total_seconds(), env.timeout.total_seconds())
-
-    def read_wait(self, timed_out):
-        """Seconds a failed collective polls the store for a peer's cause (see ``CAUSE_WAIT``)."""
-        return 1.0 if timed_out else self.CAUSE_WAIT
 
 
 def poll(ready, seconds, step=Timing.POLL):

@@ -2,14 +2,14 @@
 
 A helper thread of each rank beats a counter in the job's store over its own connection, from before the
 handshake. Rank 0 watches every rank's counter once all have joined, the others rank 0's and the store itself;
-the live group publishes what :func:`~._verdict.judge` found and wakes the main thread. A rank busy for
+the live group folds what :func:`~._decision.judge` found and wakes the main thread. A rank busy for
 minutes between collectives keeps beating, so the collective timeout can stay long, as torch's is.
 """
 import threading
 import time
 from dataclasses import replace
 
-from torchbearer_dist.runtime import _diagnosis, _verdict
+from torchbearer_dist.runtime import _decision
 from torchbearer_dist.runtime._timing import Timing
 
 
@@ -18,7 +18,7 @@ class Watchdog:
 
     Two daemon threads: one makes the store calls (a call to a silent host can block past any timeout), the
     other judges how long ago they last succeeded, so a blocked call is noticed too. Both only sample and
-    apply: the judgement is :func:`~torchbearer_dist.runtime._verdict.judge`.
+    apply: the judgement is :func:`~torchbearer_dist.runtime._decision.judge`.
 
     Args:
         env (DistEnv): this process's place in the job
@@ -38,11 +38,11 @@ class Watchdog:
         self._dead_ranks = dead_ranks or frozenset
         watched = range(env.world_size) if env.rank == 0 else [0]
         self._peers = tuple(r for r in watched if r != env.rank)
-        self.limits = _verdict.Limits(env.rank, self._peers if peers else (), timing.limit)
+        self.limits = _decision.Limits(env.rank, self._peers if peers else (), timing.limit)
         now = time.monotonic()
-        self._seen = _verdict.Sample(now, now)  # the last store round that succeeded
+        self._seen = _decision.Sample(now, now)  # the last store round that succeeded
         self._failed = (float('-inf'), 0)  # when a store round last failed, and how many in a row
-        self._memory = _verdict.start(now)  # replaced by the watch thread at each wake-up
+        self.memory = _decision.start(now)  # replaced at each wake-up; the live group folds it into every event
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name='torchbearer_dist-heartbeat', daemon=True),
                          threading.Thread(target=self._watch, name='torchbearer_dist-watchdog', daemon=True)]
@@ -72,16 +72,6 @@ class Watchdog:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(seconds)
 
-    def frozen_cause(self):
-        """The :class:`~_diagnosis.Cause` naming this rank when it has just been paused for longer than the
-        rendezvous timeout (see :func:`~._verdict.paused`), else None."""
-        seconds = _verdict.paused(self._memory, time.monotonic(), self.limits)
-        return None if seconds is None else _diagnosis.frozen(self.env.rank, seconds, self.limits.limit)
-
-    def silences(self):
-        """``{rank: seconds}`` each watched peer's beat has been seen unchanged (:func:`~._verdict.silences`)."""
-        return _verdict.silences(self._memory, time.monotonic())
-
     def watch_peers(self):
         """Watch the other ranks' beats from now on (rank 0 every rank's, the others rank 0's): they all joined."""
         self.limits = replace(self.limits, watched=self._peers)
@@ -99,19 +89,19 @@ class Watchdog:
                 self._failed = (time.monotonic(), self._failed[1] + 1)
                 continue
             self._failed = (self._failed[0], 0)
-            self._seen = _verdict.Sample(began, time.monotonic(), error, values)
+            self._seen = _decision.Sample(began, time.monotonic(), error, values)
 
     def _watch(self):
-        # Sample four times per beat, judge (a pure function, see _verdict), apply. The local peers are
+        # Sample four times per beat, judge (a pure function, see _decision), apply. The local peers are
         # read before the clock: a peer seen gone at `now` surely went before it (and marked itself left
         # before that, if it did), so a round begun after `now` reads its leave mark.
         while not self._stop.wait(self.interval / Timing.SAMPLES_PER_BEAT):
             dead = frozenset(self._dead_ranks())
             now = time.monotonic()
             failed, failures = self._failed
-            seen = _verdict.Observation(now, self._seen, failed, failures, dead)
-            self._memory, verdict = _verdict.judge(self._memory, seen, self.limits)
+            seen = _decision.Observation(now, self._seen, failed, failures, dead)
+            self.memory, verdict = _decision.judge(self.memory, seen, self.limits)
             if verdict is not None:
                 if not self._stop.is_set():
-                    self.on_failure(_diagnosis.cause_of(verdict, self.env), verdict.store_answers)
+                    self.on_failure(_decision.cause_of(verdict, self.env), verdict.store_answers)
                 return

@@ -14,10 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.runtime import _diagnosis, _gloo_sockets, network, rendezvous
+from torchbearer_dist.runtime import _diagnosis, network, rendezvous
 from torchbearer_dist.runtime import env as env_module
 from torchbearer_dist.runtime._decision import JOIN, LEAVE, RUN
-from torchbearer_dist.runtime._live import LiveGroup, destroy_torch_group
+from torchbearer_dist.runtime._live import LiveGroup, destroy_torch_group, endpoints
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 
 
@@ -135,7 +135,7 @@ def _create(live, environ):
         # gloo's own connect failed: a plain RuntimeError (the store's and torch's own are DistErrors) out
         # of this connect, while the heartbeat found no peer at fault. Known by where it was raised and
         # what the heartbeat saw, not by gloo's words.
-        if type(error) is not RuntimeError or live.cause is not None or env.backend != 'gloo':
+        if type(error) is not RuntimeError or live.state.heartbeat is not None or env.backend != 'gloo':
             raise
         name = interface or environ.get('GLOO_SOCKET_IFNAME')
         where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
@@ -146,7 +146,7 @@ def _create(live, environ):
         if interface is not None:
             environ.pop('GLOO_SOCKET_IFNAME', None)
     if env.backend == 'gloo' and env.world_size > 1:
-        live.gloo = _gloo_sockets.endpoints(group_store, dist.group.WORLD.group_name, env.rank,
+        live.gloo = endpoints(group_store, dist.group.WORLD.group_name, env.rank,
                                                          env.world_size)
 
 

@@ -146,7 +146,7 @@ def _wait(store, keys, timeout, what, rank=None):
     if poll(lambda: store.check(keys) or store.check(['error']), timeout.total_seconds()) and store.check(keys):
         return
     if store.check(['error']):
-        raise PeerFailedError.from_cause(_diagnosis.read_cause(store, deaths=False, reader=rank)[0], rank)
+        raise PeerFailedError.from_cause(_diagnosis.read_cause(store, reader=rank), rank)
     raise RuntimeError('{} within {:g} s; start every process of the job, with the same --host and '
                        '--port'.format(what, timeout.total_seconds()))
 
