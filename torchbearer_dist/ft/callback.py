@@ -59,7 +59,10 @@ class FaultTolerantAllReduce(Callback):
 
     At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
     figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
-    replica, where :class:`~torchbearer_dist.Checkpoint` writes. A stop that any callback sets on any replica
+    replica, where :class:`~torchbearer_dist.Checkpoint` writes. ``evaluate()`` and ``predict()`` (after ``run()``)
+    take a quorum of the replicas that call them, nothing healed, and their figures are averaged over it as well:
+    they wait up to ``timeout`` for the replicas that ended the last run, go on over fewer in one line, and refuse
+    in one line where replicas in their quorum still train. A stop that any callback sets on any replica
     (``state[STOP_TRAINING]``) stops every live replica after the same committed step: it rides in the next
     step's gradient buckets (with DiLoCo's meetings, it is agreed at the end of the pass).
 
@@ -166,8 +169,9 @@ class FaultTolerantAllReduce(Callback):
         # Ctrl-C and SIGTERM end this replica within 1.5 s, wherever they land, in one line (see _signals)
         self._signals = _signals.SignalStop(replica_id, lambda: (self._state and self._state(), self._passing))
         try:
-            self.replica = Replica(self.lighthouse, replica_id, self._load, self._save, self.min_replicas,
-                                   self.timeout, self.host, group=self._local)
+            # a pass outside run() waits for the replicas that ended the run itself, and goes on with fewer (_join_pass)
+            self.replica = Replica(self.lighthouse, replica_id, self._load, self._save,
+                                   1 if passing else self.min_replicas, self.timeout, self.host, group=self._local)
         except BaseException:  # no lighthouse, say: the signal handlers found at the start go back
             self._release()
             raise
@@ -197,9 +201,10 @@ class FaultTolerantAllReduce(Callback):
             self._start_quorum(heal=False)
             manager = self.replica.manager
             if manager.participating_rank() is None:  # the quorum's highest step is a training replica's
+                what = self._what()
                 self._release()
                 raise _heal.Refused('this replica cannot {}: replicas in its quorum are still training (their run() '
-                                    'goes on); call it once every replica\'s run() has ended'.format(self._what()))
+                                    'goes on); call it once every replica\'s run() has ended'.format(what))
             live = manager.num_participants()
             if live >= wanted:
                 return
