@@ -83,8 +83,8 @@ def gather_epoch_outputs(node, gather_rows):
     if not (hasattr(node, '_y_pred') and hasattr(node, '_y_true')):
         _lost('EpochLambda._y_pred / _y_true', 'an EpochLambda metric (roc_auc, ...) covers each rank\'s samples only')
         return False
-    node._y_pred = gather_rows(node._y_pred)
-    node._y_true = gather_rows(node._y_true)
+    y_pred, y_true = gather_rows(node._y_pred), gather_rows(node._y_true)  # a gather that raises changes neither
+    node._y_pred, node._y_true = y_pred, y_true
     return True
 
 

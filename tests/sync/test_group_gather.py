@@ -8,6 +8,7 @@ torchft replicas: ``tests/callbacks/test_metrics_over_replicas.py``.
 import pytest
 import torch
 import torch.distributed as dist
+from _manager import StandInManager
 from test_group import _two_levels
 
 from torchbearer_dist.sync.gather import IncompleteGather, all_gather_rows, gather_predictions
@@ -74,55 +75,25 @@ def test_an_output_that_does_not_fit_or_a_dtype_no_group_carries_is_refused_befo
         DistGroup().all_gather(torch.empty(1, 2, dtype=torch.uint16), torch.zeros(2, dtype=torch.uint16))
 
 
-class _Manager:
-    """A torchft Manager's face for QuorumGroup (the stand-in of test_meetings.py): ``participants`` replicas, this
-    one at ``rank`` (None: outside the quorum); ``others`` is what the other replicas add to each sum, in order;
-    ``error``: what ``errored()`` reports once a sum ran (torchft failed it)."""
-
-    def __init__(self, participants=2, rank=0, others=(), error=None):
-        self.participants, self.rank, self.others, self.error = participants, rank, list(others), error
-        self.sent, self.failed = [], None
-
-    def num_participants(self):
-        return self.participants
-
-    def participating_rank(self):
-        return self.rank
-
-    def allreduce(self, tensor, reduce_op):
-        assert reduce_op == dist.ReduceOp.SUM
-        self.sent.append(tensor.clone())
-        if self.others:
-            tensor += self.others.pop(0)
-        self.failed = self.error
-        return self
-
-    def wait(self):
-        return True
-
-    def errored(self):
-        return self.failed
-
-
 def test_a_quorum_gathers_by_a_sum_of_its_members_rows_and_one_outside_it_sends_none():
     other = torch.tensor([[0, 0], [7, 8]], dtype=torch.uint8)  # the other replica's row 1
-    manager = _Manager(rank=0, others=[other])
+    manager = StandInManager(rank=0, others=[other])
     output = torch.empty(2, 2, dtype=torch.bool)
     assert QuorumGroup(manager).all_gather(output, torch.tensor([True, False])).wait() is True
     assert torch.equal(manager.sent[0], torch.tensor([[1, 0], [0, 0]], dtype=torch.uint8))  # its row, zeros else
     assert torch.equal(output, torch.tensor([[True, False], [True, True]]))
-    outside = _Manager(rank=None)
+    outside = StandInManager(rank=None)
     QuorumGroup(outside).all_gather(torch.empty(2, 3), torch.ones(3)).wait()
     assert not outside.sent[0].any()
 
 
 def test_a_gather_torchft_failed_says_so():
-    output = torch.empty(2, 1)
-    assert QuorumGroup(_Manager(error=RuntimeError('peer lost'))).all_gather(output, torch.ones(1)).wait() is False
+    group = QuorumGroup(StandInManager(error=RuntimeError('peer lost')))
+    assert group.all_gather(torch.empty(2, 1), torch.ones(1)).wait() is False
 
 
 def test_a_quorum_that_counts_only_the_replicas_that_trained_refuses_a_gather():
-    group = QuorumGroup(_Manager(others=[torch.tensor([0.0, 1.0], dtype=torch.float64)]), trained=True)
+    group = QuorumGroup(StandInManager(others=[torch.tensor([0.0, 1.0], dtype=torch.float64)]), trained=True)
     with pytest.raises(ValueError, match=r'^all_gather gathers every live replica, but this QuorumGroup counts only '
                                          r'those that trained \(trained=True\); gather over QuorumGroup\(manager\)$'):
         group.all_gather(torch.empty(2, 1), torch.ones(1))
@@ -152,7 +123,7 @@ def test_rows_and_predictions_gathered_over_replica_groups_equal_those_over_the_
 
 
 def test_a_gather_torchft_failed_raises_instead_of_returning_some_replicas_rows():
-    manager = _Manager(error=RuntimeError('peer lost'))
+    manager = StandInManager(error=RuntimeError('peer lost'))
     with pytest.raises(IncompleteGather, match=r'^a gather over the live replicas was not whole \(torchft failed it: '
                                                r'a replica was lost meanwhile\), so nothing gathered is returned; '
                                                r'gather again in the next quorum$'):

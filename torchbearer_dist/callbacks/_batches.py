@@ -6,7 +6,6 @@ import torchbearer
 from torch.utils.data import DistributedSampler
 
 from torchbearer_dist.data import distributed_samplers
-from torchbearer_dist.sync import collectives
 
 
 def _leading(value):
@@ -41,8 +40,10 @@ def trim(value, keep):
     return value
 
 
-def padding_sampler(loader):
+def padding_sampler(loader, rank):
     """The DistributedSampler whose padding ReduceMetrics drops, or None; warns once per pass if it cannot tell.
+
+    ``rank``: this process's in the group the figures are reduced over (None: outside it); the one at 0 warns.
 
     With several samplers (a wrapper that zips loaders) a batch mixes their shards, and which of its
     samples are padding cannot be told from the batch: none is dropped, and rank 0 warns when some is.
@@ -51,7 +52,7 @@ def padding_sampler(loader):
     if len(samplers) <= 1:
         return samplers[0] if samplers else None
     padded = [s for s in samplers if not s.drop_last and len(s.dataset) % s.num_replicas]
-    if padded and collectives.rank() == 0:
+    if padded and rank == 0:
         warnings.warn('the loader holds {} DistributedSamplers, so ReduceMetrics cannot tell which samples of a batch '
                       'are the padding a sampler repeats: they count twice; give each dataset a length divisible by '
                       'the number of ranks ({}), or pass drop_last=True to the samplers'.format(

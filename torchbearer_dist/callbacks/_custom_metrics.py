@@ -10,10 +10,9 @@ rank and said where it differs (:class:`SameOnEveryRank`), or, declared, has its
 import copy
 
 import torch
-import torch.distributed as dist
 
-from torchbearer_dist.callbacks._aggregators import Wrapped
-from torchbearer_dist.sync import collectives, gather
+from torchbearer_dist.callbacks._aggregators import Wrapped, all_sum, extremes, reduced
+from torchbearer_dist.sync import gather
 
 
 def _numbers(result, name):
@@ -41,13 +40,12 @@ class SameOnEveryRank(Wrapped):
 
     def process_final(self, *args):
         result = self.inner.process_final(*args)
-        if collectives.world_size() == 1:
+        group = self._pass.group()
+        if group.alone():
             return result
         numbers, names = _numbers(result, '')
         local = torch.tensor([float(numbers[k]) for k in names], dtype=torch.float64)
-        both = torch.cat([local, -local]).to(collectives.comm_device(torch.device('cpu')))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # a synchronization point for every rank alike
-        high, low = both[:len(names)].cpu(), -both[len(names):].cpu()
+        high, low = reduced(lambda over: extremes(local, over), group)  # a synchronization point for every rank
         differ = [k or self.name for k, h, lo in zip(names, high.tolist(), low.tolist()) if h != lo]
         if differ:
             self._pass.say(('unknown', self.name), UNKNOWN.format(
@@ -68,23 +66,30 @@ class CombinedFigures(Wrapped):
 
     def process_final(self, *args):
         result = self.inner.process_final(*args)
-        if collectives.world_size() == 1:
+        group = self._pass.group()
+        if group.alone():
             return result
         numbers, names = _numbers(result, self.name)
         local = torch.tensor([float(numbers[k]) for k in names] + [0.0], dtype=torch.float64)
-        op = dist.ReduceOp.SUM
-        if self._reduction in ('max', 'min'):
-            op = dist.ReduceOp.MAX if self._reduction == 'max' else dist.ReduceOp.MIN
-        elif self._reduction == 'mean':
-            local = torch.cat([local[:-1] * self._pass.samples, local.new_tensor([self._pass.samples])])
-        elif self._reduction == 'rank0' and collectives.rank() != 0:
-            local.zero_()
-        local = local.to(collectives.comm_device(torch.device('cpu')))
-        dist.all_reduce(local, op=op)  # a synchronization point for every rank alike
-        values = local.cpu()[:-1]
         if self._reduction == 'mean':
-            values = values / local[-1].item() if local[-1].item() else values
-        return _put(result, numbers, names, values.tolist())
+            local = torch.cat([local[:-1] * self._pass.samples, local.new_tensor([self._pass.samples])])
+        elif self._reduction == 'rank0' and group.rank() != 0:
+            local.zero_()
+        values = reduced(lambda over: self._combine(local, over), group)  # a synchronization point for every rank
+        if values is None:
+            return result  # the group could not complete it: this process's own figures
+        if self._reduction == 'mean':
+            values, samples = values[:-1], values[-1].item()
+            values = values / samples if samples else values
+        return _put(result, numbers, names, values[:len(names)].tolist())
+
+    def _combine(self, local, group):
+        """``local`` combined over ``group`` as declared; None over this process alone."""
+        if group.alone():
+            return None
+        if self._reduction in ('max', 'min'):
+            return extremes(local, group)[0 if self._reduction == 'max' else 1]
+        return all_sum([local], group)[0]
 
 
 class Assumed(Wrapped):
@@ -107,7 +112,7 @@ class Assumed(Wrapped):
         return value
 
     def process_final(self, *args):
-        if self._unsure and collectives.world_size() > 1:
+        if self._unsure and not self._pass.group().alone():
             self._pass.say(('assumed', self.name), ASSUMED.format(
                 name=self.name, figures=', '.join(repr(f) for f in self._figures)))
         return self.inner.process_final(*args)
@@ -166,7 +171,7 @@ class CombinedTree(Wrapped):
         return _outputs(self.inner.children, 'process', value)
 
     def process_final(self, *args):
-        combined = self._combined()
+        combined = reduced(self._combined, self._pass.group())
         if self._before is not None:
             self.inner.children, self._before = self._before, None
         result = {}
@@ -176,18 +181,18 @@ class CombinedTree(Wrapped):
         result.update(_outputs(self.inner.children, 'process_final', final))
         return result
 
-    def _combined(self):
-        """The batch values of one process at N x B, in batch order (a synchronization point)."""
+    def _combined(self, group):
+        """The batch values of one process at N x B, in batch order, over ``group`` (a synchronization point)."""
         values = [torch.as_tensor(v).detach().to(torch.float64).cpu() for v in self._values]
         shapes = sorted({tuple(v.shape) for v in values})
         rows = torch.tensor([[i, n, float(len(shapes) > 1)] for i, n in self._batches], dtype=torch.float64)
-        rows, counts = gather.all_gather_rows(rows if len(rows) else None)
+        rows, counts = gather.all_gather_rows(rows if len(rows) else None, group=group)
         if rows is not None and rows[:, 2].any():
             raise ValueError('metric {!r} is declared {!r}, which combines batch values of one shape, but its batch '
                              'values change shape between batches on some rank (this rank: {}); reduce each batch to '
                              'one shape, such as a scalar, or declare it \'mean\''.format(
                                  self.name, self._reduction, shapes))
-        stacked, _ = gather.all_gather_rows(torch.stack(values) if values else None)
+        stacked, _ = gather.all_gather_rows(torch.stack(values) if values else None, group=group)
         if rows is None:
             return []
         ranks = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))

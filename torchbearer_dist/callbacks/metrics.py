@@ -2,7 +2,9 @@
 
 The aggregation itself lives in the metric nodes that :mod:`torchbearer_dist.callbacks._metric_tree` places in
 the Trial's metric tree; this module holds the callback that installs them, counts samples, drops a padding
-sampler's repeats (:mod:`torchbearer_dist.callbacks._batches`) and gathers predictions.
+sampler's repeats (:mod:`torchbearer_dist.callbacks._batches`) and gathers predictions. Every collective of
+both goes through one group of :mod:`torchbearer_dist.sync.group`: the default process group (the fail-fast
+mode), or the one it is given (the live replicas of a torchft quorum in the fault-tolerant mode).
 """
 import time
 
@@ -18,7 +20,8 @@ from torchbearer_dist.callbacks import _aggregators, _metric_tree
 from torchbearer_dist.callbacks._batches import batch_size, padding_sampler, trim
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.runtime.env import current_env
-from torchbearer_dist.sync import collectives, gather
+from torchbearer_dist.sync import gather
+from torchbearer_dist.sync.group import DistGroup
 
 
 def _predicting(callbacks):
@@ -65,14 +68,15 @@ def reduce_metric(reduction):
 class _ScaleSummedLoss(Callback):
     """Runs after every other callback (appended for a pass): a summed loss, times N, as one process at N x B sums."""
 
-    def __init__(self, factor):
+    def __init__(self, shared):
         super().__init__()
-        self.factor, self._last = factor, None
+        self.shared, self._last = shared, None
 
     def _scale(self, state):
         loss = state.get(torchbearer.LOSS)
         if isinstance(loss, torch.Tensor) and loss is not self._last:  # scaled once, however many hooks run
-            self._last = state[torchbearer.LOSS] = loss.detach() * self.factor
+            factor = float(self.shared.group().size())  # N at this step (a torchft quorum's may change)
+            self._last = state[torchbearer.LOSS] = loss.detach() * factor
 
     on_backward = on_criterion_validation = _scale
 
@@ -140,11 +144,22 @@ class ReduceMetrics(Callback):
         metric_reduction (dict): how metrics combine over ranks, by name (the metric's name or any of
             its figures, such as ``'running_peak'``): ``'mean'``, ``'sum'``, ``'max'``, ``'min'`` or
             ``'rank0'`` (rank 0's own); it takes precedence over :func:`reduce_metric`
+        group: whom the figures are reduced over, and the predictions gathered from: None, the default process
+            group (the fail-fast mode); a group of :mod:`torchbearer_dist.sync.group` (a
+            :class:`~torchbearer_dist.sync.group.QuorumGroup` of torchft's live replicas, a
+            :class:`~torchbearer_dist.sync.group.HierarchicalGroup`); or a function of no argument returning one,
+            read at each reduction, or None where this process talks to nobody then (its figures stay its own). Every
+            collective goes through it, and ``N`` is its ``size()`` (the rank count of the text above, a summed
+            loss's factor, read at each step); where one of a figure's collectives was not whole (torchft failed it)
+            that figure is this process's own, never a partial sum. The check that every rank joined
+            ``evaluate()`` and ``predict()`` is the process group's (a ``DistGroup``)
 
     Raises:
         ValueError: an argument is not one of the values above (at construction); ``metric_reduction``
             names no metric of the Trial, or gives one metric two reductions (at the first pass, on
             every rank)
+        ~torchbearer_dist.sync.gather.IncompleteGather: a RuntimeError from ``predict()`` where torchft failed
+            its gather (a fault-tolerant group only): never the predictions of some replicas as if of all
 
     State Requirements:
         - :attr:`torchbearer.state.METRIC_LIST`: its aggregators are replaced at each pass start
@@ -155,7 +170,7 @@ class ReduceMetrics(Callback):
         start of ``evaluate()`` and ``predict()``: every rank must call them.
     """
 
-    def __init__(self, gather_predictions=True, loss_reduction='auto', metric_reduction=None):
+    def __init__(self, gather_predictions=True, loss_reduction='auto', metric_reduction=None, group=None):
         super().__init__()
         if not isinstance(gather_predictions, bool):
             raise ValueError('gather_predictions should be True or False, but given {!r}'.format(gather_predictions))
@@ -163,14 +178,21 @@ class ReduceMetrics(Callback):
         self.gather_predictions = gather_predictions
         self.loss_reduction = loss_reduction
         self.metric_reduction = _aggregators.check_metric_reduction(metric_reduction)
-        self._pass = _aggregators.Pass(self.metric_reduction)
+        self._pass = _aggregators.Pass(self.metric_reduction, _aggregators.check_group(group))
         self._remaining = self._sampler = None
         self._trained = self._predicting = self._summed = False
         self._scaler, self._scaling = None, None
 
+    @property
+    def group(self):
+        """The ``group`` given: None, a group, or a function returning one (shared by a copy, never copied)."""
+        return self._pass.source
+
     def on_start(self, state):
         self._trained = False
-        self._summed = collectives.world_size() > 1 and loss_is_summed(state, self.loss_reduction)
+        # a group given may hold others at any step: its N is read at each one
+        many = self.group is not None or not self._pass.group().alone()
+        self._summed = many and loss_is_summed(state, self.loss_reduction)
 
     def _start_pass(self, state, training):
         self._pass.training, self._pass.samples = training, 0
@@ -178,7 +200,7 @@ class ReduceMetrics(Callback):
         _metric_tree.globalize(state[torchbearer.METRIC_LIST], self._pass)
         self._stop_scaling()
         if self._summed:  # appended for the pass, after every callback (an @add_to_loss term included)
-            self._scaler = self._scaler or _ScaleSummedLoss(float(collectives.world_size()))
+            self._scaler = self._scaler or _ScaleSummedLoss(self._pass)
             callbacks = _torchbearer.callback_list(state[torchbearer.CALLBACK_LIST])
             while self._scaler in callbacks:
                 callbacks.remove(self._scaler)
@@ -212,11 +234,12 @@ class ReduceMetrics(Callback):
 
     def on_start_validation(self, state):
         self._predicting = _predicting(state[torchbearer.CALLBACK_LIST])
-        if not self._trained and collectives.world_size() > 1:
-            _check_in('predict' if self._predicting else 'evaluate')
+        group = self._pass.group()
+        if not self._trained and isinstance(group, DistGroup) and not group.alone():
+            _check_in('predict' if self._predicting else 'evaluate', group)
         self._start_pass(state, False)
         self._remaining = None
-        self._sampler = padding_sampler(state.get(torchbearer.GENERATOR))
+        self._sampler = padding_sampler(state.get(torchbearer.GENERATOR), group.rank())
         if isinstance(self._sampler, DistributedSampler) and not self._sampler.drop_last:
             total = len(self._sampler.dataset)
             self._remaining = len(range(self._sampler.rank, total, self._sampler.num_replicas))
@@ -238,7 +261,8 @@ class ReduceMetrics(Callback):
         self._stop_scaling()
         if not (self._predicting and self.gather_predictions and isinstance(self._sampler, DistributedSampler)):
             return
-        if collectives.world_size() == 1:
+        group = self._pass.group()
+        if group.alone():
             return
         predictions = state.get(torchbearer.FINAL_PREDICTIONS)
         if isinstance(predictions, list) and not predictions:
@@ -246,22 +270,23 @@ class ReduceMetrics(Callback):
         if predictions is not None and not isinstance(predictions, torch.Tensor):
             raise ValueError('predict() can gather only tensor predictions, but the model returned {}; return one '
                              'tensor, or pass ReduceMetrics(gather_predictions=False)'.format(type(predictions[0])))
-        state[torchbearer.FINAL_PREDICTIONS] = gather.gather_predictions(predictions, list(self._sampler))
+        state[torchbearer.FINAL_PREDICTIONS] = gather.gather_predictions(predictions, list(self._sampler), group=group)
 
 
-def _check_in(what):
-    """Before the first collective of ``evaluate()`` or ``predict()``: fail clearly if a rank is missing.
+def _check_in(what, group):
+    """Before the first collective of ``evaluate()`` or ``predict()``: fail clearly if a rank of ``group`` (a
+    :class:`~torchbearer_dist.sync.group.DistGroup`) is missing.
 
     Waits at most the rendezvous timeout of the job (its ``meet_timeout`` where the job has one, else its
     ``timeout``; torch's default for a group started without torchbearer_dist).
     """
-    if dist.get_backend() != 'gloo':
+    if dist.get_backend(group.process_group) != 'gloo':
         return  # monitored_barrier is gloo's: under nccl a missing rank shows as the collective timeout
     env = current_env()
     timeout = None if env is None else getattr(env, 'meet_timeout', env.timeout)
     started = time.monotonic()
     try:
-        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        dist.monitored_barrier(group=group.process_group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
         if timeout is not None and time.monotonic() - started < timeout.total_seconds() / 2:
             # it did not wait for a missing rank: the group failed under it (a peer's error, the heartbeat's
@@ -269,7 +294,7 @@ def _check_in(what):
             raise
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError('{}() is a collective that every rank must call, but not every rank joined rank {} within '
-                           '{} s ({}); call {}() on every rank'.format(what, collectives.rank(), _seconds(timeout),
+                           '{} s ({}); call {}() on every rank'.format(what, group.rank(), _seconds(timeout),
                                                                       detail, what)) from None
 
 
