@@ -270,3 +270,30 @@ def test_the_main_threads_stop_folds_its_error_the_stores_answers_and_its_reader
     gone_master = _diagnosis.master_gone(_env())
     assert _fold(Event(TOLD, 100.1, alive, master='refused'), state=state)[1] == [
         (STOP_PEERS,), (RAISE, gone_master)]
+
+
+def test_no_module_but_the_fold_names_a_cause():
+    """How a reader checks that no failure cause is chosen outside the fold: every :class:`~._diagnosis.Cause` is
+    made by :mod:`._decision` (or by the words themselves), and only the applier and the rendezvous (a peer's
+    published cause, which the fold then classifies as REPORTED) turn one into a PeerFailedError."""
+    import ast
+    import pathlib
+
+    import torchbearer_dist
+    makers = {name for name, value in vars(_diagnosis).items()
+              if callable(value) and getattr(value, '__module__', None) == _diagnosis.__name__} - {
+        'publish', 'read_cause', 'describe', 'is_guess', '_named'}
+    root = pathlib.Path(torchbearer_dist.__file__).parent
+    made, raised = set(), set()
+    for path in sorted(root.rglob('*.py')):
+        where = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in makers:
+                made.add(where)  # imported by name (the words' own module aside)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in makers and ast.unparse(node.func.value) in ('_diagnosis', 'causes'):
+                    made.add(where)
+                if node.func.attr == 'from_cause':
+                    raised.add(where)
+    assert 'Cause' in makers and made - {'runtime/_diagnosis.py'} == {'runtime/_decision.py'}, made
+    assert raised == {'runtime/_live.py', 'runtime/rendezvous.py'}, raised
