@@ -58,7 +58,7 @@ def all_gather_rows(tensor, device=None, group=None):
         tensor (torch.Tensor): this rank's rows (at least one dimension), or None for none; the other
             dimensions and the dtype must be the same on every rank that holds rows
         device (torch.device): where the collectives run; by default the group's (the CPU under gloo)
-        group (DistGroup or QuorumGroup or HierarchicalGroup): whose rows, in the order of their ``rank()``, through
+        group: whose rows (a group of :mod:`torchbearer_dist.sync.group`), in the order of their ``rank()``, through
             that group's collectives (a header, then the rows padded to the longest); None: the default process
             group. A replica outside the quorum (``rank()`` None) receives the others' rows and sends none
 
@@ -68,8 +68,8 @@ def all_gather_rows(tensor, device=None, group=None):
     Raises:
         ValueError: the tensor has no dimension or an unsupported dtype (before any collective)
         RuntimeError: the ranks' tensors differ in dtype or in dimensions other than the first
-        IncompleteGather: a RuntimeError: torchft failed a collective of the gather (a fault-tolerant group only);
-            never a partial result. Every rank of a replica group raises it alike
+        ~torchbearer_dist.sync.gather.IncompleteGather: a RuntimeError: torchft failed a collective of the gather (a
+            fault-tolerant group only); never a partial result. Every rank of a replica group raises it alike
 
     .. warning:: A synchronization point: every rank must call it.
     """
@@ -111,8 +111,8 @@ def gather_predictions(predictions, indices, group=None):
     Args:
         predictions (torch.Tensor): this rank's predictions, one row per sample (None for none)
         indices (list): the dataset index of each row, in order; longer lists are cut to the rows
-        group (DistGroup or QuorumGroup or HierarchicalGroup): whose predictions, through that group's collectives;
-            None: the default process group
+        group: whose predictions (a group of :mod:`torchbearer_dist.sync.group`), through that group's
+            collectives; None: the default process group
 
     Returns:
         torch.Tensor: the rows of all ranks sorted by dataset index, a sample predicted on several
@@ -120,8 +120,8 @@ def gather_predictions(predictions, indices, group=None):
 
     Raises:
         ValueError: more predictions than indices (before any collective)
-        IncompleteGather: a RuntimeError: torchft failed a collective of the gather (see :func:`all_gather_rows`):
-            never predictions with some replicas' rows missing
+        ~torchbearer_dist.sync.gather.IncompleteGather: a RuntimeError: torchft failed a collective of the gather
+            (see :func:`all_gather_rows`): never predictions with some replicas' rows missing
 
     .. warning:: A synchronization point: every rank must call it.
     """
