@@ -48,6 +48,7 @@ def _crossed(calls):
     return list(dict.fromkeys(modules)), sum(a != b for a, b in zip(modules, modules[1:]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize('fault, line', [
     ('kill-train', 'error: rank 1 died without reporting an error: it was killed (by the OOM killer, or a signal) '

@@ -253,7 +253,9 @@ def fold(state, event):
     collectives fail; ``(READ, probe)`` read the cause published, probing the master's port first (answered by
     a ``TOLD``); ``(READERS, keys, heartbeat)`` whether every other rank has read it (a ``TOLD``);
     ``(WAIT,)`` sleep ``Timing.POLL`` (a ``TICK`` unless a read follows); ``(RAISE, cause)`` raise a
-    PeerFailedError naming ``cause``, or, None, the error caught.
+    PeerFailedError naming ``cause``, or, None, the error caught. Rank 0, whose process holds the store, waits for
+    its readers: every other rank but the one the cause names (which published it, died or fell silent) and the
+    local peers seen gone.
     """
     s, e, env = state, event, state.env
     quiet = silences(e.memory, e.now) if e.memory is not None else {}  # how long each watched beat has not changed
@@ -262,40 +264,43 @@ def fold(state, event):
             return s, ()
         if e.read or e.now >= s.until:
             return s, ((RAISE, None if s.decided.own else s.decided.cause),)
-        return s, ((WAIT,), (READERS, _unread(s, e), _via_heartbeat(s)))
-    if e.kind == INTERRUPTED:  # this rank's own cause: its peers read it, and its own collective fails now
+        actions = ((WAIT,),)
+    elif e.kind == INTERRUPTED:  # this rank's own cause: its peers read it, and its own collective fails now
         return s, ((PUBLISH, causes.interrupted(env.rank), False), (WAKE, False)) * (env.world_size > 1)
-    if e.kind == FOUND:  # a cause found is published where the store answers; another rank's was read
+    elif e.kind == FOUND:  # a cause found is published where the store answers; another rank's was read
         cause = e.cause or _unless_own_pause(e.published, _frozen(s, e), env.rank)  # a guess that this rank was
         publish = e.cause is not None and e.store_answers  # lost, read right after its own pause, is that pause
         return replace(s, heartbeat=cause), ((PUBLISH, cause, True),) * publish + ((WAKE, True),)
-    if e.kind == ENDED:
+    elif e.kind == ENDED:
         d = decide(replace(s, phase=LEAVE, heartbeat=e.cause), s.timing)
         return replace(s, decided=d), ((RAISE, None if d.own else d.cause),)
-    if e.kind == CAUGHT:
-        kind, silence = classify(e.error, e.phase), max(quiet.values(), default=None)
-        s = replace(s, phase=e.phase, error=kind, own=causes.own_cause(env.rank, e.error) if kind != COLLECTIVE
-                    else None, reported=getattr(e.error, 'rank', None), watching=e.memory is not None,
-                    frozen=_frozen(s, e) if e.phase == RUN and kind == COLLECTIVE else None,
-                    timed_out=timed_out(e.error, silence, s.timing.limit), failed_at=e.now)
-    elif e.kind == TOLD:  # the store's answer: a cause, a local peer gone, the master gone, or the wait's end
-        dead = tuple(sorted(e.memory.dead)) if not s.timed_out and e.memory is not None else ()
-        if not (e.published or dead or e.master != 'ok' or e.store_failed or e.now >= s.until):
-            return s, ((WAIT,), (READ, False))
-        s = replace(s, gathered=True, master=e.master, published=e.published, store_failed=e.store_failed, dead=dead)
-    # CAUGHT, TICK or the store's last answer: the heartbeat runs meanwhile, its verdict and silences are facts too
-    s = replace(s, now=e.now, silences=quiet)
-    d = decide(s, s.timing)
-    if d.read is not None:
-        return replace(s, until=e.now + d.read), ((READ, env.rank != 0),)
-    if d.until is not None:  # the peers stopped once: their collectives fail, rank 0 decides too
-        stop = d.stop_peers and not s.stopped
-        return replace(s, stopped=s.stopped or stop), ((STOP_PEERS,),) * stop + ((WAIT,),)
-    s = replace(s, decided=d, until=e.now + s.timing.READERS)
-    actions = ((PUBLISH, d.cause, _via_heartbeat(s)),) * d.publish + ((STOP_PEERS,),) * d.stop_peers
-    if d.readers:  # rank 0's process holds the store: the others read the cause first
-        return s, actions + ((READERS, _unread(s, e), _via_heartbeat(s)),)
-    return s, actions + ((RAISE, None if d.own else d.cause),)
+    else:  # CAUGHT, TICK or the store's answer: the heartbeat runs meanwhile, its verdict and silences are facts too
+        if e.kind == CAUGHT:
+            kind, silence = classify(e.error, e.phase), max(quiet.values(), default=None)
+            s = replace(s, phase=e.phase, error=kind, own=causes.own_cause(env.rank, e.error) if kind != COLLECTIVE
+                        else None, reported=getattr(e.error, 'rank', None), watching=e.memory is not None,
+                        frozen=_frozen(s, e) if e.phase == RUN and kind == COLLECTIVE else None,
+                        timed_out=timed_out(e.error, silence, s.timing.limit), failed_at=e.now)
+        elif e.kind == TOLD:  # the store's answer: a cause, a local peer gone, the master gone, or the wait's end
+            dead = tuple(sorted(e.memory.dead)) if not s.timed_out and e.memory is not None else ()
+            if not (e.published or dead or e.master != 'ok' or e.store_failed or e.now >= s.until):
+                return s, ((WAIT,), (READ, False))
+            s = replace(s, gathered=True, master=e.master, published=e.published, store_failed=e.store_failed,
+                        dead=dead)
+        s = replace(s, now=e.now, silences=quiet)
+        d = decide(s, s.timing)
+        if d.read is not None:
+            return replace(s, until=e.now + d.read), ((READ, env.rank != 0),)
+        if d.until is not None:  # the peers stopped once: their collectives fail, rank 0 decides too
+            stop = d.stop_peers and not s.stopped
+            return replace(s, stopped=s.stopped or stop), ((STOP_PEERS,),) * stop + ((WAIT,),)
+        s = replace(s, decided=d, until=e.now + s.timing.READERS)
+        actions = ((PUBLISH, d.cause, _via_heartbeat(s)),) * d.publish + ((STOP_PEERS,),) * d.stop_peers
+        if not d.readers:  # else rank 0's process holds the store: the others read the cause first
+            return s, actions + ((RAISE, None if d.own else d.cause),)
+    gone = set(e.memory.dead if e.memory is not None else ()) | {s.decided.skip}  # the cause's rank, local peers gone
+    unread = tuple('error_seen/{}'.format(r) for r in range(1, env.world_size) if r not in gone)
+    return s, actions + ((READERS, unread, _via_heartbeat(s)),)
 
 
 def _via_heartbeat(facts):
@@ -309,13 +314,6 @@ def _frozen(state, event):
     which reads the limit of the job's :class:`~._timing.Timing` as of the heartbeat's :class:`Limits`)."""
     seconds = paused(event.memory, event.now, state.timing) if event.memory is not None else None
     return None if seconds is None else causes.frozen(state.env.rank, seconds, state.timing.limit)
-
-
-def _unread(state, event):
-    """The store keys of the ranks that would say they read the cause: every other rank but the one it names
-    (which published it, died or fell silent) and the local peers seen gone."""
-    gone = set(event.memory.dead if event.memory is not None else ()) | {state.decided.skip}
-    return tuple('error_seen/{}'.format(r) for r in range(1, state.env.world_size) if r not in gone)
 
 
 # ---------------------------------------------------------------- the heartbeat's judgement
