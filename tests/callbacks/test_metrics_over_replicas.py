@@ -4,8 +4,9 @@ Each replica is a process of its own with a real torchft Manager at a real light
 ``ReduceMetrics(group=...)`` reduces over a ``QuorumGroup`` of the live replicas. Its figures (means, a Std,
 EpochLambdas, a metric declared ``'max'``, Metrics declared or not, running figures) and its ``predict()`` must
 equal, exactly, those two ranks of the fail-fast mode report on the same shards: with two members every sum is
-``a + b``, whatever the wire. Where the group cannot complete a reduction, or there is none, the figures are the
-process's own.
+``a + b``, whatever the wire. Over two replica groups of two ranks (``HierarchicalGroup``) they equal those
+over the flat group of the four. Where the group cannot complete a reduction, or there is none, the figures are
+the process's own.
 """
 import copy
 import warnings
@@ -23,7 +24,7 @@ from torchbearer.metrics.roc_auc_score import RocAucScore
 import torchbearer_dist
 from torchbearer_dist.callbacks.metrics import ReduceMetrics
 from torchbearer_dist.sync.gather import IncompleteGather
-from torchbearer_dist.sync.group import QuorumGroup
+from torchbearer_dist.sync.group import DistGroup, HierarchicalGroup, QuorumGroup
 
 from _dist import LOAD_SLACK, STARTUP, run_workers
 
@@ -135,6 +136,29 @@ def test_figures_over_two_torchft_replicas_equal_the_fail_fast_modes_exactly():
                             'running_peak', 'median', 'val_loss', 'val_roc_auc_score', 'val_peak', 'val_median',
                             'val_error_std'}
     assert replicas[0]['predict'].shape == (VAL, 3)
+
+
+def _over_replica_groups():
+    """Ranks {0, 1} and {2, 3} as two replica groups, {0, 2} and {1, 3} across them (a real process group where
+    the fault-tolerant mode has torchft's quorum): the figures over them, and over the flat group of the four."""
+    rank = torch.distributed.get_rank()
+    local = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])][rank // 2]
+    across = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])][rank % 2]
+    group = HierarchicalGroup(DistGroup(local), DistGroup(across))
+    return {'groups': _figures(_trial(rank, 4, group=group)), 'flat': _figures(_trial(rank, 4))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STARTUP + LOAD_SLACK + 60)
+def test_figures_over_replica_groups_of_two_ranks_equal_those_over_the_flat_group():
+    for found in run_workers(_over_replica_groups, world_size=4):
+        groups, flat = found['groups'], found['flat']
+        assert groups['run'].pop('val_seen') == flat['run'].pop('val_seen')  # each rank's own, undeclared
+        for key in ('evaluate', 'run'):  # sums of four in another order: equal to float64 rounding
+            assert groups[key].keys() == flat[key].keys()
+            for name, value in flat[key].items():
+                assert groups[key][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, name)
+        assert torch.equal(groups['predict'], flat['predict'])
 
 
 def test_figures_a_torchft_failure_left_incomplete_are_this_processs_own_and_predict_raises():
