@@ -25,6 +25,7 @@ from torchbearer_dist.runtime._decision import (
     RUN,
     SETUP,
     STOP_PEERS,
+    TICK,
     TOLD,
     WAIT,
     WAKE,
@@ -267,6 +268,10 @@ def test_the_main_threads_stop_folds_its_error_the_stores_answers_and_its_reader
     assert _fold(Event(FOUND, 100.4, gone, cause=SILENT), state=state)[1] == []
     state, actions = _fold(Event(CAUGHT, 100.0, alive, error=error, phase=RUN), rank=1)
     assert actions == [(READ, True)]
+    # rank 2 of 3: a closed connection names no rank; it stops its peers once (rank 0 then decides too), and waits
+    state, _ = _fold(Event(CAUGHT, 100.0, alive, error=error, phase=RUN), rank=2, world_size=3)
+    state, actions = _fold(Event(TOLD, 100.0 + Timing.CAUSE_WAIT, alive), state=state)
+    assert actions == [(STOP_PEERS,), (WAIT,)] and _fold(Event(TICK, 103.1, alive), state=state)[1] == [(WAIT,)]
     gone_master = _diagnosis.master_gone(_env())
     assert _fold(Event(TOLD, 100.1, alive, master='refused'), state=state)[1] == [
         (STOP_PEERS,), (RAISE, gone_master)]

@@ -826,7 +826,7 @@ def test_a_kill_caught_by_two_ranks_at_once_is_named_once_by_both(limit):
 
 # -------------------------------------------------------------------- several faults at once, Ctrl-C in each phase
 @pytest.mark.timeout(180)
-@settings(max_examples=EXAMPLES // 4, deadline=None, database=None, derandomize=not SOAK,
+@settings(max_examples=EXAMPLES // 10, deadline=None, database=None, derandomize=not SOAK,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2 ** 32 - 1), st.integers(2, 4), st.sampled_from(LIMITS), st.data())
 def test_errors_raised_on_several_ranks_at_once_are_each_their_own_and_the_first_is_everyones(seed, world_size,

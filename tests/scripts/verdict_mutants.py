@@ -89,6 +89,7 @@ MUTANTS = {
         ('fold: a dead peer never ends a read', 'dead = tuple(sorted(e.memory.dead)) if not s.timed_out and',
          'dead = () if not s.timed_out and'),
         ('fold: the peers never stopped', '* d.publish + ((STOP_PEERS,),) * d.stop_peers', '* d.publish'),
+        ('fold: the peers stopped at every wait', '(d.stop_peers and e.kind != TICK)', 'd.stop_peers'),
         ('decide: only rank 0 publishes in the block', 'published = rank == 0 or cause.rank > 0 or',
          'published = rank == 0 or'),
         ('decide: rank 0 waits for no reader', 'readers=rank == 0, skip=cause.rank, stop_peers=True)',

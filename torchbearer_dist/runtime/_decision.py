@@ -77,11 +77,9 @@ def is_collective_error(error):
     """Whether ``error`` was raised by a collective or the store, rather than by the rank's own code, by its type
     and where it was raised: torch raises a ``DistError`` from the store and nccl (and from a ``Work`` waited
     outside torch.distributed), gloo a plain RuntimeError out of a torch.distributed call."""
-    if isinstance(error, PeerFailedError):
-        return False
     if isinstance(error, getattr(dist, 'DistError', ())):
         return True
-    return type(error) is RuntimeError and _raised_in_torch_distributed(error)
+    return type(error) is RuntimeError and _raised_in_torch_distributed(error)  # not a PeerFailedError, say
 
 
 def timed_out(error, silence, limit):
@@ -233,7 +231,6 @@ class State(Facts):
     once it caught an error), and how far its stop has come; replaced, never changed."""
     timing: object = None  # the job's Timing
     until: float = None  # the main thread reads the store, or waits for its readers, until then
-    stopped: bool = False  # the peers were stopped
     decided: Decision = None  # the main thread's decision, taken once: later facts change nothing
 
 
@@ -291,9 +288,8 @@ def fold(state, event):
         d = decide(s, s.timing)
         if d.read is not None:
             return replace(s, until=e.now + d.read), ((READ, env.rank != 0),)
-        if d.until is not None:  # the peers stopped once: their collectives fail, rank 0 decides too
-            stop = d.stop_peers and not s.stopped
-            return replace(s, stopped=s.stopped or stop), ((STOP_PEERS,),) * stop + ((WAIT,),)
+        if d.until is not None:  # the peers stopped once (a TICK only follows this wait): rank 0 decides too
+            return s, ((STOP_PEERS,),) * (d.stop_peers and e.kind != TICK) + ((WAIT,),)
         s = replace(s, decided=d, until=e.now + s.timing.READERS)
         actions = ((PUBLISH, d.cause, _via_heartbeat(s)),) * d.publish + ((STOP_PEERS,),) * d.stop_peers
         if not d.readers:  # else rank 0's process holds the store: the others read the cause first

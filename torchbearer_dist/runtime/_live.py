@@ -138,9 +138,8 @@ class LiveGroup:
     def _read(self, probe, store):
         """What the master's port (where ``probe``: the ``store`` is asked only where it accepts, since a store call
         to a silent host could block past any timeout) and the store say, as a ``TOLD`` event."""
-        env = self.env
+        env, published, failed = self.env, None, False
         master = _peers.probe(env.host, env.port) if probe else 'ok'
-        published, failed = None, False
         if master == 'ok':
             try:
                 published = _diagnosis.read_cause(store, reader=env.rank)
