@@ -71,9 +71,10 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
             that trains on among the live ones when others are lost and heals live when it (re)starts
             (:class:`~torchbearer_dist.FaultTolerantAllReduce`, which ``**all_reduce`` configures:
             ``replica_id``, ``min_replicas``, ``timeout``, ``host``, ``restarted``); the list is then SetSamplerEpoch,
-            optionally FlattenImages, and FaultTolerantAllReduce. With ``local_steps``, DiLoCo follows it and
-            its meetings go through torchft, blocking and in fp32 (``compression`` or ``overlap_steps``
-            raise ValueError; see :doc:`/fault_tolerance`). None (the default): the fail-fast mode
+            optionally FlattenImages, FaultTolerantAllReduce and a ReduceMetrics over its live replicas. With
+            ``local_steps``, DiLoCo follows them and its meetings go through torchft, blocking and in fp32
+            (``compression`` or ``overlap_steps`` raise ValueError; see :doc:`/fault_tolerance`). None (the
+            default): the fail-fast mode
         **all_reduce: options of :class:`AllReduceGradients` (``bucket_cap_mb``, ``compression``,
             ``check_divergence``, ...)
 
@@ -84,6 +85,7 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
     """
     if fault_tolerant is not None and fault_tolerant is not False:
         return _fault_tolerant(fault_tolerant, flatten_images, ddp, local_steps, check_order, loss_reduction,
+                               dict(gather_predictions=gather_predictions, metric_reduction=metric_reduction),
                                all_reduce)
     callbacks = [BroadcastParameters(method=broadcast), SetSamplerEpoch(check_data=check_data, check_order=check_order),
                  EvenBatches(policy=uneven),
@@ -103,8 +105,9 @@ def distributed_callbacks(flatten_images=False, ddp=False, broadcast='broadcast'
     return callbacks
 
 
-def _fault_tolerant(lighthouse, flatten_images, ddp, local_steps, check_order, loss_reduction, options):
-    """The fault-tolerant set: each process a torchft replica (the mode lives in :mod:`torchbearer_dist.ft`)."""
+def _fault_tolerant(lighthouse, flatten_images, ddp, local_steps, check_order, loss_reduction, metrics, options):
+    """The fault-tolerant set: each process a torchft replica (the mode lives in :mod:`torchbearer_dist.ft`), its
+    figures and predictions reduced by :class:`ReduceMetrics` (``metrics``: its options) over the replica's group."""
     if ddp not in (None, False):
         raise ValueError('ddp={!r} does not combine with fault_tolerant yet: the fault-tolerant mode averages '
                          'gradients through torchft; pass one of them'.format(ddp))
@@ -118,7 +121,8 @@ def _fault_tolerant(lighthouse, flatten_images, ddp, local_steps, check_order, l
         callbacks.append(FlattenImages())
     replica = FaultTolerantAllReduce(lighthouse, loss_reduction=loss_reduction, every_step=local_steps is None,
                                      **options)
-    callbacks.append(replica)
+    # the live replicas at each reduction (None: nobody, outside a run or in one that ends to begin again)
+    callbacks += [replica, ReduceMetrics(loss_reduction=loss_reduction, group=replica.group, **metrics)]
     if local_steps is not None:
         diloco.update(compression=None, overlap_steps=0)
         callbacks.append(DiLoCo(local_steps=local_steps, meetings=replica, **diloco))

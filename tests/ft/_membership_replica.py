@@ -69,18 +69,20 @@ def optimizer(net):
 
 
 class Local(Callback):
-    """Before ours: the time ``run()`` began, each pass's figures and samples before they are averaged, and the
-    kill inside step ``die_at`` (after the forward pass, ``delay`` s later, when the others wait for this one)."""
+    """Before ours: the time ``run()`` began, each pass's own figures and samples (the per-sample means of its
+    batches' loss and of its correct predictions: what the replicas' figures are reduced from),
+    and the kill inside step ``die_at`` (after the forward pass, ``delay`` s later, when the others wait for this
+    one)."""
 
     def __init__(self, die_at=None, delay=1.5):
         super().__init__()
-        self.die_at, self.delay, self.began, self.samples = die_at, delay, None, 0
+        self.die_at, self.delay, self.began, self.samples, self.sums = die_at, delay, None, 0, [0.0, 0.0]
 
     def on_start(self, state):
         self.began = time.monotonic()
 
     def on_start_training(self, state):
-        self.samples = 0
+        self.samples, self.sums = 0, [0.0, 0.0]
 
     on_start_validation = on_start_training
 
@@ -94,9 +96,19 @@ class Local(Callback):
             print('DYING', flush=True)
             time.sleep(self.delay)
             os.kill(os.getpid(), signal.SIGKILL)
+        self._add(state)
+
+    def on_criterion_validation(self, state):
+        self._add(state)
+
+    def _add(self, state):
+        y = state[torchbearer.Y_TRUE]
+        self.sums[0] += float(state[torchbearer.LOSS].detach()) * y.size(0)
+        self.sums[1] += int((state[torchbearer.Y_PRED].argmax(1) == y).sum())
 
     def _report(self, state, kind):
-        figures = {k: float(v) for k, v in state[torchbearer.METRICS].items() if k.endswith(('loss', 'acc'))}
+        prefix = '' if kind == 'train' else 'val_'
+        figures = {prefix + 'loss': self.sums[0] / self.samples, prefix + 'acc': self.sums[1] / self.samples}
         print('LOCAL', json.dumps({'epoch': state[torchbearer.EPOCH], 'pass': kind, 'samples': self.samples,
                                    'metrics': figures}, sort_keys=True), flush=True)
 
@@ -141,14 +153,14 @@ def _first_quorum_together(folder, replica, replicas):
     from torchbearer_dist.ft.replica import Replica
     original = Replica.start_quorum
 
-    def start_quorum(self, shrink_only=False):
+    def start_quorum(self, *args, **kwargs):
         Replica.start_quorum = original
         open(os.path.join(folder, 'up-{}'.format(replica)), 'w').close()
         end = time.monotonic() + 120
         while len([n for n in os.listdir(folder) if n.startswith('up-')]) < replicas and time.monotonic() < end:
             time.sleep(0.05)
         time.sleep(1.0)
-        return original(self, shrink_only)
+        return original(self, *args, **kwargs)
     Replica.start_quorum = start_quorum
 
 
@@ -177,9 +189,8 @@ def _configured_count(replicas):
 
 
 def _unweighted_metrics(replicas):
-    """The epoch figures averaged over the replicas as if each had the same samples."""
-    original = tbd.FaultTolerantAllReduce._reduce_metrics
-    tbd.FaultTolerantAllReduce._reduce_metrics = lambda self, state, weight: original(self, state, 1 if weight else 0)
+    """The figures averaged with each batch weighing the same, whatever its samples (a replica's shard)."""
+    tbd.ReduceMetrics._weight = lambda self, n: min(n, 1)
 
 
 def _step_uncommitted(replicas):
@@ -233,7 +244,8 @@ def main():
                                     min_replicas=args.min_replicas)
     local, steps = Local(args.die_at), Steps(ft)
     trial = Trial(net, optimizer(net), torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
-                  callbacks=[local, ft, steps]).to(torch.float64)  # torchbearer casts each batch to its dtype
+                  callbacks=[local, ft, tbd.ReduceMetrics(group=ft.group), steps])
+    trial.to(torch.float64)  # torchbearer casts each batch to its dtype
     trial.with_generators(DataLoader(data, batch_size=BATCH, sampler=shard(args.replica)),
                           val_generator=DataLoader(data, batch_size=BATCH, sampler=shard(args.replica, 'val')))
     print('READY', flush=True)

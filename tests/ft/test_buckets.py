@@ -87,7 +87,7 @@ def step():
         def __init__(self, *args, group=None):
             self.manager = _Manager(events)
 
-        def start_quorum(self, shrink_only=False):
+        def start_quorum(self, shrink_only=False, heal=True):
             events.append(('quorum',))
 
         def should_commit(self):

@@ -34,19 +34,22 @@ def test_fault_tolerant_true_reads_the_environment(monkeypatch):
         tbd.distributed_callbacks(fault_tolerant=True)
     monkeypatch.setenv('TORCHFT_LIGHTHOUSE', 'lighthouse.example:29510')
     callbacks = tbd.distributed_callbacks(fault_tolerant=True, flatten_images=True)
-    assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FlattenImages', 'FaultTolerantAllReduce']
-    assert callbacks[-1].lighthouse == 'http://lighthouse.example:29510'
+    assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FlattenImages', 'FaultTolerantAllReduce',
+                                                     'ReduceMetrics']
+    assert callbacks[2].lighthouse == 'http://lighthouse.example:29510'
+    assert callbacks[3].group == callbacks[2].group  # the figures reduced over the replica's live group
 
 
 def test_local_steps_put_diloco_after_the_replica_its_meetings_go_through():
     callbacks = tbd.distributed_callbacks(fault_tolerant='h:1', local_steps=8, outer_lr=0.7, timeout=5,
                                           compression=None)
-    assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FaultTolerantAllReduce', 'DiLoCo']
-    replica, diloco = callbacks[1:]
+    assert [type(c).__name__ for c in callbacks] == ['SetSamplerEpoch', 'FaultTolerantAllReduce', 'ReduceMetrics',
+                                                     'DiLoCo']
+    replica, _, diloco = callbacks[1:]
     assert diloco.meetings is replica and not replica.every_step and replica.timeout == 5
     assert (diloco.local_steps, diloco.overlap_steps, diloco.options['compression']) == (8, 0, None)
     assert diloco.options['outer_lr'] == 0.7
-    assert tbd.distributed_callbacks(fault_tolerant='h:1')[-1].every_step
+    assert tbd.distributed_callbacks(fault_tolerant='h:1')[1].every_step
 
 
 def test_the_fail_fast_mode_stays_the_default():

@@ -10,7 +10,6 @@ from torchbearer import Callback
 
 from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks import _held
-from torchbearer_dist.callbacks._batches import batch_size
 from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
@@ -57,10 +56,11 @@ class FaultTolerantAllReduce(Callback):
     ``every_step=False`` there is no quorum nor averaging at each step: :class:`~torchbearer_dist.DiLoCo`'s
     meetings go through it instead (``distributed_callbacks(fault_tolerant=..., local_steps=H)``).
 
-    At each epoch end the figures are averaged over the replicas, each weighted by its samples (training
-    figures by training samples, ``val_`` figures by validation ones); ``state[WRITER]`` is True on one live
-    replica, where :class:`~torchbearer_dist.Checkpoint` writes. ``evaluate()`` and ``predict()`` (after ``run()``)
-    take a quorum of the replicas that call them, nothing healed, and their figures are averaged over it as well:
+    ``group()`` says whom the replica talks to now: :class:`~torchbearer_dist.ReduceMetrics` given it (as
+    :func:`~torchbearer_dist.distributed_callbacks` does) reduces each pass's figures over the live replicas, as
+    the fail-fast mode does over the ranks. ``state[WRITER]`` is True on one live replica, where
+    :class:`~torchbearer_dist.Checkpoint` writes. ``evaluate()`` and ``predict()`` (after ``run()``) take a quorum of
+    the replicas that call them, nothing healed, so that their figures and predictions cover every replica's shard:
     they wait up to ``timeout`` for the replicas that ended the last run, go on over fewer in one line, and refuse
     in one line where replicas in their quorum still train. A stop that any callback sets on any replica
     (``state[STOP_TRAINING]``) stops every live replica after the same committed step: it rides in the next
@@ -139,7 +139,7 @@ class FaultTolerantAllReduce(Callback):
         self._state = self._pending = None
         self._open = self._in_step = self._meets = self._passing = self._evaluating = False
         self._joining = False  # in the quorum of a pass's start (see meet)
-        self._commit, self._gated, self._samples = None, [], {'train': 0, 'val': 0}
+        self._commit, self._gated = None, []
         self._buckets = None  # the gradient buckets (GradientBuckets over the live replicas), with every_step
 
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
@@ -303,7 +303,7 @@ class FaultTolerantAllReduce(Callback):
         pending, self._pending = self._pending, None
         if pending is not None and pending['epoch'] == state[torchbearer.EPOCH] and pending['batches'] > 0:
             _midepoch.resume_epoch(state, pending, None)  # the healer's next batch is this replica's next
-        self._samples, self._passing = {'train': 0, 'val': 0}, True
+        self._passing = True
         params = [p for _, p in trainable(state)]
         if self.every_step and (self._buckets is None or not self._buckets.same_params(params)):
             if self._buckets is not None:  # the last epoch's: the trainable set changed since
@@ -317,10 +317,7 @@ class FaultTolerantAllReduce(Callback):
             self._buckets.attach()
 
     def on_sample(self, state):
-        if self.replica is None:
-            return
-        self._samples['train'] += batch_size(state) or 0
-        if not self.every_step:
+        if self.replica is None or not self.every_step:
             return
         self._commit, self._in_step = None, True
         self._buckets.arm()  # this step's backward passes average over its quorum
@@ -328,9 +325,6 @@ class FaultTolerantAllReduce(Callback):
             self._open = False
         else:  # the epoch's last step takes no new replica: healed there, it would have no batch left to go on from
             self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS])
-
-    def on_sample_validation(self, state):
-        self._samples['val'] += batch_size(state) or 0
 
     def on_backward(self, state):
         if self._in_step:
@@ -438,23 +432,6 @@ class FaultTolerantAllReduce(Callback):
 
     def on_end_training(self, state):
         self._passing = False  # DiLoCo's meeting at the run's end comes after
-        self._reduce_metrics(state, self._samples['train'])
-
-    def on_end_validation(self, state):
-        self._reduce_metrics(state, self._samples['val'])
-
-    def _reduce_metrics(self, state, weight):
-        """The pass's figures, averaged over the last step's replicas weighted by their samples (before any
-        ``on_end_epoch``); where a replica was lost since that step they stay this replica's own."""
-        group = self.group()
-        if group is None:  # no run, or a run that ends to begin again: it meets nobody
-            return
-        metrics = state[torchbearer.METRICS]
-        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
-                   not isinstance(v, bool) and (not isinstance(v, torch.Tensor) or v.numel() == 1)}
-        means = collectives.weighted_means(numbers, weight, group=group)
-        if self.replica.manager.errored() is None:
-            metrics.update(means)
 
     def _config(self, state):
         """What every replica of a run must share, sent with a heal and checked by the healed replica."""
