@@ -189,14 +189,16 @@ def test_sigterm_says_where_training_was_and_which_checkpoint_was_written(tmp_pa
                    for _ in kept]
     runs = [Replicas(tmp_path / str(k), server.address) for k, server in enumerate(lighthouses)]
     try:
+        # 40 steps an epoch: the first two mid-epoch 1, the third mid-epoch 2 (after its first checkpoint). Each
+        # waits there for a file never made, whatever the load (before, a run signalled last trained on meanwhile).
+        at = [(0, 10), (0, 10), (1, 10)]
         started = []
-        for run, path in zip(runs, kept):
+        for run, path, (epoch, batch) in zip(runs, kept, at):
             run.tmp_path.mkdir()
             extra = ('--checkpoint', str(path)) if path else ()
             started.append(run.start(0, '--replicas', '1', '--samples', '400', '--epochs', '5', '--sleep', '0.05',
+                                     '--gate', str(tmp_path / 'never'), '--gate-step', str(epoch * 40 + batch + 1),
                                      *extra))
-        # 40 steps an epoch: the first two mid-epoch 1, the third mid-epoch 2 (after its first checkpoint).
-        at = [(0, 10), (0, 10), (1, 10)]
         for run, i, (epoch, batch) in zip(runs, started, at):
             run.wait_for(lambda r=run, i=i, n=epoch * 40 + batch: r.position(i, per_epoch=40) >= n, STARTUP + 60)
             assert run.process(i).poll() is None, run.describe()
