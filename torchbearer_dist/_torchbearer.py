@@ -22,6 +22,7 @@ fails on the pinned torchbearer if any of them moved.
 """
 import torchbearer
 from torchbearer.callbacks import CallbackList, Tqdm
+from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 from torchbearer.callbacks.torch_scheduler import TorchScheduler
 
 from torchbearer_dist._once import warn_once
@@ -122,6 +123,11 @@ def injections(callbacks):
         found.append(callbacks.callback)
         callbacks = callbacks.callback_list
     return found
+
+
+def predicting(callbacks):
+    """True inside ``Trial.predict``, which injects an AggregatePredictions callback in front of ``callbacks``."""
+    return any(isinstance(injected, AggregatePredictions) for injected in injections(callbacks))
 
 
 def replace_injected(callbacks, callback):

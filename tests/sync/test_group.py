@@ -5,11 +5,9 @@ the across-groups level a real process group of the same rank of each group (the
 there): its sum, average, rank and broadcast must equal the flat group's over the four ranks, whatever the
 tensor's length (shares of unequal and of zero length).
 """
-import pytest
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.sync import collectives
 from torchbearer_dist.sync.group import AVG, SUM, DistGroup, HierarchicalGroup
 
 from _dist import run_workers
@@ -51,24 +49,3 @@ def test_the_hierarchical_group_sums_averages_and_broadcasts_as_one_group_of_eve
     assert all(f['broadcast'][0] is True and torch.equal(f['broadcast'][1], torch.full((5,), 7.0)) for f in found)
 
 
-def _means_over_groups():
-    group, rank = _two_levels(), dist.get_rank()
-    found = {'means': collectives.weighted_means({'acc': 0.5 + rank / 10, 'loss': torch.tensor(float(rank))},
-                                                 weight=rank + 1, group=group)}
-    try:  # rank 3 holds another metric: every rank finds it, whatever its own names
-        collectives.weighted_means({'acc': 0.5} if rank != 3 else {'top5': 0.5}, weight=1, group=group)
-    except RuntimeError as error:
-        found['error'] = str(error)
-    return found
-
-
-def test_metric_means_over_a_hierarchical_group_are_weighted_by_samples_and_a_different_name_stops_every_rank():
-    found = run_workers(_means_over_groups, world_size=4)
-    weights = [1, 2, 3, 4]
-    acc = sum((0.5 + r / 10) * w for r, w in enumerate(weights)) / sum(weights)
-    loss = sum(float(r) * w for r, w in enumerate(weights)) / sum(weights)
-    for f in found:
-        assert f['means'] == {'acc': pytest.approx(acc, rel=1e-15), 'loss': loss}
-    assert [f.get('error') for f in found] == [
-        'ranks report different metrics (1 here: acc); give every rank the same metrics'] * 3 + [
-        'ranks report different metrics (1 here: top5); give every rank the same metrics']

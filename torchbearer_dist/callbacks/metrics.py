@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torchbearer
 from torch.utils.data import DistributedSampler
 from torchbearer import Callback
-from torchbearer.callbacks.aggregate_predictions import AggregatePredictions
 
 from torchbearer_dist import _torchbearer
 from torchbearer_dist.callbacks import _aggregators, _metric_tree
@@ -22,11 +21,6 @@ from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, los
 from torchbearer_dist.runtime.env import current_env
 from torchbearer_dist.sync import gather
 from torchbearer_dist.sync.group import DistGroup
-
-
-def _predicting(callbacks):
-    """True inside ``Trial.predict``, which injects an AggregatePredictions callback into the list."""
-    return any(isinstance(injected, AggregatePredictions) for injected in _torchbearer.injections(callbacks))
 
 
 def reduce_metric(reduction):
@@ -233,7 +227,7 @@ class ReduceMetrics(Callback):
         self._stop_scaling()
 
     def on_start_validation(self, state):
-        self._predicting = _predicting(state[torchbearer.CALLBACK_LIST])
+        self._predicting = _torchbearer.predicting(state[torchbearer.CALLBACK_LIST])
         group = self._pass.group()
         if not self._trained and isinstance(group, DistGroup) and not group.alone():
             _check_in('predict' if self._predicting else 'evaluate', group)

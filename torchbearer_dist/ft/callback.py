@@ -14,7 +14,6 @@ from torchbearer_dist.callbacks._held import buffers as held_buffers
 from torchbearer_dist.callbacks._held import trainable
 from torchbearer_dist.callbacks._loss_reduction import check_loss_reduction, loss_is_summed
 from torchbearer_dist.callbacks._stop_agreement import StopAgreement
-from torchbearer_dist.callbacks.metrics import _predicting
 from torchbearer_dist.checkpoint import _midepoch
 from torchbearer_dist.checkpoint.callback import WRITER
 from torchbearer_dist.data import distributed_sampler
@@ -154,7 +153,6 @@ class FaultTolerantAllReduce(Callback):
         # evaluate() and predict() set their loader before on_start, run() does not: they take the live replicas'
         # quorum without healing, and their figures and predictions are reduced over it (ReduceMetrics)
         passing = state.get(torchbearer.GENERATOR) is not None
-        ended_with = self._ended_with if passing else 0
         self._release()
         self._reset()
         self._evaluating = passing
@@ -178,7 +176,7 @@ class FaultTolerantAllReduce(Callback):
         self._clock, self._peers = PauseClock(), 0  # how long this process was stopped; the last quorum's replicas
         weakref.finalize(state, FaultTolerantAllReduce._expire, weakref.ref(self), self._state)
         if passing:
-            self._join_pass(ended_with)
+            self._join_pass(self._ended_with)  # kept by _reset: the replicas of the last run's end
             return
         if self.every_step:
             self._gate(state)
@@ -218,7 +216,8 @@ class FaultTolerantAllReduce(Callback):
     def _what(self):
         """``'evaluate'`` or ``'predict'``: the pass outside ``run()`` this replica is in."""
         state = self._state()
-        return 'predict' if state is not None and _predicting(state[torchbearer.CALLBACK_LIST]) else 'evaluate'
+        predicting = state is not None and _torchbearer.predicting(state[torchbearer.CALLBACK_LIST])
+        return 'predict' if predicting else 'evaluate'
 
     def _align_group(self, state):
         """Every tensor the Trial holds (models, optimizers' parameters) takes the group's rank 0's values."""

@@ -8,8 +8,6 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from torchbearer_dist.sync.group import SUM, WORLD
-
 _NAME_BYTES = 200
 
 
@@ -53,64 +51,6 @@ def _broadcast_text(text, src, device):
     tensor = torch.tensor(list(data), dtype=torch.uint8, device=device)
     dist.broadcast(tensor, src)
     return bytes(tensor.tolist()).decode(errors='replace').rstrip()
-
-
-def weighted_means(values, weight, device=None, group=None):
-    """Average scalar metrics over ranks, each rank weighted by ``weight`` (its sample count).
-
-    One all-reduce, over any group of :mod:`torchbearer_dist.sync.group` (the fail-fast mode's process group, a
-    torchft quorum's live replicas, a hierarchical group of replica groups), which also carries each member's
-    count and fingerprint of the names, so that every member finds a difference alike.
-
-    Example:
-
-        .. code-block:: python
-
-            # rank 0 saw 100 samples at acc 0.9, rank 1 saw 50 at acc 0.6
-            weighted_means({'acc': 0.9}, 100)  # {'acc': 0.8} on both ranks
-
-    Args:
-        values (dict): metric name to a number or 0-d tensor; every rank must pass the same names
-        weight (float): this rank's weight, e.g. its number of samples; 0 leaves it out
-        device (torch.device): where the reduction runs (by default the group's: CPU for gloo)
-        group (DistGroup or QuorumGroup or HierarchicalGroup): whom to average over; None: the default process
-            group
-
-    Returns:
-        dict: the same names mapped to floats, identical on every rank. A rank with weight 0
-        contributes nothing; if every weight is 0, the plain mean is used. Where the group could not complete the
-        reduction (a torchft quorum that lost a replica meanwhile), each rank's own values.
-
-    Raises:
-        RuntimeError: the ranks hold different metric names
-
-    .. warning:: A synchronization point: every rank must call it with the same names.
-    """
-    group = WORLD if group is None else group
-    names = sorted(values)
-    numbers = [float(values[name]) for name in names]
-    own = dict(zip(names, numbers))
-    if group.alone() or not names:
-        return own
-    device = group.device() if device is None else device
-    n, size, me = len(names), group.size(), group.rank()
-    payload = torch.zeros(2 * n + 2 + 2 * size, dtype=torch.float64, device=device)
-    payload[:2 * n + 2] = torch.tensor([v * weight for v in numbers] + numbers + [float(weight), 1.0],
-                                       dtype=torch.float64)
-    if me is not None:  # a member outside the count (a torchft replica not participating) sends zeros
-        row = [n, _hash('\n'.join(names)) >> 8]  # 48 bits: exact in float64
-        payload[2 * n + 2 + 2 * me:2 * n + 4 + 2 * me] = torch.tensor(row, dtype=torch.float64)
-    if not group.all_reduce(payload, SUM).wait():
-        return own
-    payload = payload.tolist()
-    rows = {tuple(payload[2 * n + 2 + 2 * i:2 * n + 4 + 2 * i]) for i in range(size)}
-    if len(rows) > 1:
-        raise RuntimeError('ranks report different metrics ({} here: {}); give every rank the same metrics'.format(
-            n, ', '.join(names)))
-    total_weight, ranks = payload[2 * n], payload[2 * n + 1]
-    if total_weight > 0:
-        return {name: payload[i] / total_weight for i, name in enumerate(names)}
-    return {name: payload[n + i] / ranks for i, name in enumerate(names)}
 
 
 def reduce_int(value, op='min', device=None):
