@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from _dist import STARTUP, child_env, kill_session, python
+from _dist import STARTUP, HangGuard, child_env, children, kill_session, python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,12 +49,21 @@ class Replicas:
         lines = [line.split() for line in self.out(i).splitlines() if line.startswith('STEP ')]
         return int(lines[-1][1]) * per_epoch + int(lines[-1][2]) + 1 if lines else 0
 
-    def wait_for(self, what, deadline, i=None):
-        """Poll ``what()`` until true; fail at ``deadline`` seconds with every replica's output."""
-        end = time.monotonic() + deadline
+    def wait_for(self, what, deadline, starting=()):
+        """Poll ``what()`` until true; fail at ``deadline`` seconds with every replica's output.
+
+        Args:
+            starting: the replicas (indices in ``started``) that the wait waits on to start up (import torch, build
+                their Manager, a launcher's ranks): past ``deadline`` it goes on while their processes, a launcher's
+                workers included, still use the CPU (:class:`HangGuard`), so a machine that load slows is no fault
+                while a start that hangs fails at ``deadline``. A fault's own bound is never stretched.
+        """
+        guard = HangGuard(deadline)
         while not what():
-            if time.monotonic() > end:
-                raise AssertionError('still waiting after {} s:\n{}'.format(deadline, self.describe()))
+            guard.pids = [pid for i in starting for pid in _tree(self.process(i).pid)]
+            if guard.expired() if starting else time.monotonic() - guard.started > deadline:
+                raise AssertionError('still waiting {}:\n{}'.format(
+                    guard.describe() if starting else 'after {} s'.format(deadline), self.describe()))
             time.sleep(0.1)
 
     def describe(self):
@@ -69,6 +78,14 @@ class Replicas:
         for process, _, _ in self.started:
             kill_session(process.pid)
             process.wait()
+
+
+def _tree(pid):
+    """``pid`` and its live descendants (a launcher's workers lead sessions of their own)."""
+    found = [pid]
+    for child in children(pid):
+        found += _tree(child)
+    return found
 
 
 def train_together(tmp_path, args, deadline, hosts=None):
