@@ -100,8 +100,8 @@ def _stop(agents, workers):
 
 
 @pytest.mark.slow
-# A backstop only: the waits below end the test by its hard bound, moved by the three starts' stretch (HangGuard)
-@pytest.mark.timeout(2 * HARD_TIMEOUT + 3 * (STRETCH - 1) * 2 * (STARTUP + LOAD_SLACK) + 30)
+# A backstop only: the waits below end the test by its hard bound, moved by the four busy waits. stretch (HangGuard)
+@pytest.mark.timeout(2 * HARD_TIMEOUT + 4 * (STRETCH - 1) * 2 * (STARTUP + LOAD_SLACK) + 30)
 @pytest.mark.parametrize('hosts,kill_after,extra', [
     (Torchrun(1), 20, ()), (Torchrun(2), 15, ()), (Launch(2, 3), 15, ()),
     (Torchrun(2), 15, ('--local-steps', '4')),  # DiLoCo's meetings over the groups: the heal at a meeting's quorum
@@ -118,10 +118,11 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
     def within(seconds):
         return max(1.0, min(seconds, end - time.monotonic()))
 
-    def started(what, i):  # a start that load slows (its processes busy past the wait) moves the hard bound with it
+    def wait_busy(what, *i, allowed=slow * (STARTUP + LOAD_SLACK)):
+        # a start (or training) that load slows, its processes busy past the wait, moves the hard bound with it
         nonlocal end
-        began, allowed = time.monotonic(), slow * (STARTUP + LOAD_SLACK)
-        replicas.wait_for(what, allowed, starting=[i])
+        began = time.monotonic()
+        replicas.wait_for(what, allowed, starting=i)
         end += max(0.0, time.monotonic() - began - allowed)
 
     start, gate = str(tmp_path / 'start'), str(tmp_path / 'gate')
@@ -133,12 +134,12 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
             # torchrun job starts its Pythons seconds apart under load), and replica 0 joins it at its next step.
             # Each of their ranks prints its own STEP and READY lines.
             restarted = replicas.start(1, *ARGS, *extra, '--gate', start, '--gate-step', '1')
-            started(lambda: replicas.steps(restarted) >= ranks, restarted)
+            wait_busy(lambda: replicas.steps(restarted) >= ranks, restarted)
             survivor = replicas.start(0, *ARGS, *extra, '--gate', gate, '--gate-step', '40')  # held for the restart
-            started(lambda: replicas.out(survivor).count('READY') == ranks, survivor)
+            wait_busy(lambda: replicas.out(survivor).count('READY') == ranks, survivor)
             open(start, 'w').close()
-            replicas.wait_for(lambda: min(replicas.steps(survivor), replicas.steps(restarted)) >= ranks * kill_after,
-                              within(STARTUP))
+            wait_busy(lambda: min(replicas.steps(survivor), replicas.steps(restarted)) >= ranks * kill_after,
+                      survivor, restarted, allowed=STARTUP)
             first = {i: hosts.workers(replicas.process(i)) for i in (survivor, restarted)}
             workers |= {pid for pids in first.values() for pid in pids}
             assert [len(pids) for pids in first.values()] == [ranks, ranks], replicas.describe()
@@ -150,7 +151,7 @@ def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identic
 
             # torchrun's agent (or launch()) stops the group's other workers and starts new ones (its start gate
             # open): each heals from the same rank of the survivor, which waits at its step 40.
-            started(lambda: replicas.out(restarted).count('READY') == 2 * ranks, restarted)
+            wait_busy(lambda: replicas.out(restarted).count('READY') == 2 * ranks, restarted)
             second = hosts.workers(replicas.process(restarted))
             workers |= set(second)
             assert len(second) == ranks and not set(second) & set(first[restarted]), (second, replicas.describe())
