@@ -27,6 +27,7 @@ from torchbearer_dist.runtime._decision import (
     STOP_PEERS,
     TICK,
     TOLD,
+    UNCONNECTED,
     WAIT,
     WAKE,
     Decision,
@@ -41,7 +42,7 @@ from torchbearer_dist.runtime._decision import (
 )
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.env import DistEnv
-from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
+from torchbearer_dist.runtime.errors import GlooConnectError, PeerFailedError, Preempted
 
 LIMIT = 10.0
 TIMING = Timing(LIMIT, 600.0)
@@ -120,6 +121,24 @@ def test_at_the_join_the_rendezvous_words_are_published_by_rank_0_only_and_anyth
     assert decide(_facts(JOIN, SETUP), TIMING) == Decision(mine, own=True)
     assert decide(_facts(JOIN, SETUP, rank=0), TIMING).publish and decide(_facts(JOIN, SETUP, rank=0), TIMING).readers
     assert decide(_facts(JOIN, OWN), TIMING) == Decision(mine, own=True, publish=True)
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_gloos_failed_connect_is_this_ranks_interface_unless_the_heartbeat_found_a_peer_at_fault(rank):
+    assert classify(GlooConnectError('gloo on rank 1 could not connect'), JOIN) == UNCONNECTED
+    mine = _diagnosis.own_cause(rank, ValueError('bad batch'))
+    # no peer at fault: this rank's own words, published by rank 0 only (its store ends with it), as the rendezvous'
+    assert decide(_facts(JOIN, UNCONNECTED, rank=rank), TIMING) == Decision(
+        mine, own=True, publish=rank == 0, readers=rank == 0)
+    # the heartbeat named a peer first: that peer, as for any failure of the join
+    peer = decide(_facts(JOIN, UNCONNECTED, rank=rank, heartbeat=SILENT, watching=True), TIMING)
+    assert (peer.cause, peer.own, peer.skip) == (SILENT, False, 2)
+    state = State(_env(rank), timing=TIMING)
+    _, actions = fold(state, Event(CAUGHT, error=GlooConnectError('x'), phase=JOIN))
+    assert actions[-1] == (RAISE, None) if rank else actions[-1][0] == READERS
+    found, _ = fold(state, Event(FOUND, cause=SILENT))
+    _, actions = fold(found, Event(CAUGHT, error=GlooConnectError('x'), phase=JOIN))
+    assert actions[-1] == (RAISE, SILENT)  # no heartbeat memory: nobody to wait for
 
 
 def test_a_heartbeats_cause_wins_over_what_the_store_says():

@@ -98,6 +98,8 @@ MUTANTS = {
     "applier: the heartbeat's connection publishes nothing": (
         LIVE, '_diagnosis.publish(self.client if args[1] else self.store, args[0])',
         'args[1] or _diagnosis.publish(self.client, args[0])'),
+    "gloo's failed connect: the interface even where the heartbeat named a peer": (
+        DECISION, ' and not (f.error == UNCONNECTED and f.heartbeat):', ':'),
     "applier: the main thread's connection publishes nothing": (
         LIVE, '_diagnosis.publish(self.client if args[1] else self.store, args[0])',
         'args[1] and _diagnosis.publish(self.client, args[0])'),

@@ -37,15 +37,15 @@ import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis as causes
 from torchbearer_dist.runtime._timing import Timing
-from torchbearer_dist.runtime.errors import PeerFailedError, Preempted
+from torchbearer_dist.runtime.errors import GlooConnectError, PeerFailedError, Preempted
 
 #: Where the main thread is when it stops: group creation (the handshake, gloo's connect, the barrier)
 #: failed; the program's block raised; the block ended well.
 JOIN, RUN, LEAVE = 'join', 'run', 'leave'
 #: What the main thread caught (:func:`classify`): a bad argument; a peer's failure the rendezvous
-#: read; the rendezvous' own words (a duplicate rank, a rank that did not join); a pre-emption;
-#: a collective's or the store's error; anything else the rank raised.
-ARGUMENT, REPORTED, SETUP, PREEMPTED = 'argument', 'reported', 'setup', 'preempted'
+#: read; the rendezvous' own words (a duplicate rank, a rank that did not join); gloo's connect, which
+#: failed; a pre-emption; a collective's or the store's error; anything else the rank raised.
+ARGUMENT, REPORTED, SETUP, UNCONNECTED, PREEMPTED = 'argument', 'reported', 'setup', 'unconnected', 'preempted'
 COLLECTIVE, OWN = 'collective', 'own'
 
 
@@ -57,6 +57,8 @@ def classify(error, phase):
         return ARGUMENT
     if isinstance(error, PeerFailedError):
         return REPORTED
+    if isinstance(error, GlooConnectError):
+        return UNCONNECTED
     if is_collective_error(error):
         return COLLECTIVE
     return SETUP if phase == JOIN and isinstance(error, RuntimeError) else OWN
@@ -134,14 +136,15 @@ def decide(facts, timing):
         return Decision(own=True)
     if f.phase == LEAVE:  # this rank's block ended well, but a peer fell silent before leaving
         return Decision(f.heartbeat, own=f.heartbeat is None)
-    if f.phase == JOIN and f.error != COLLECTIVE:
+    # gloo's connect failed: where the heartbeat found a peer at fault, that peer; else this rank's interface
+    if f.phase == JOIN and f.error != COLLECTIVE and not (f.error == UNCONNECTED and f.heartbeat):
         if f.error == ARGUMENT:  # each rank says its own: nothing to publish
             return Decision(own=True)
         if f.error == REPORTED:  # a peer's cause, read in the rendezvous: rank 0 keeps the store up for the others
             return Decision(own=True, readers=rank == 0, skip=f.reported)
         # the rendezvous' own words are each rank's own (a duplicate rank must not end the job it tried to
         # join), except on rank 0, whose store ends with it: the others then read why
-        publish = f.error != SETUP or rank == 0
+        publish = f.error not in (SETUP, UNCONNECTED) or rank == 0
         return Decision(f.own, own=True, publish=publish, readers=publish and rank == 0)
     cause, own = f.heartbeat or (f.frozen if f.phase == RUN and f.error == COLLECTIVE else None), False
     if cause is None:
@@ -302,7 +305,7 @@ def fold(state, event):
 def _via_heartbeat(facts):
     """Whether the main thread's stop talks to the store over the heartbeat's connection: at the join, its own
     store connections may have been shut to wake gloo."""
-    return facts.phase != RUN and facts.error == COLLECTIVE and facts.watching
+    return facts.phase != RUN and facts.error in (COLLECTIVE, UNCONNECTED) and facts.watching
 
 
 def _frozen(state, event):

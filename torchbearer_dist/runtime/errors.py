@@ -27,6 +27,12 @@ class PeerFailedError(RuntimeError):
         return cls('{} (rank {} stopped)'.format(cause.line(), rank), cause.rank, cause.kind, cause.exc_type or None)
 
 
+class GlooConnectError(RuntimeError):
+    """gloo on this rank could not connect to the other ranks while the group was created; the message names
+    the interface it used and what to set. Raised where the heartbeat found no peer at fault (else the peer is
+    named: the rule is :func:`~torchbearer_dist.runtime._decision.decide`'s)."""
+
+
 #: The exit status of a rank that stopped for a pre-emption after its step checkpoint was written: ``EX_TEMPFAIL``
 #: of ``sysexits.h``, "the user is invited to retry": run the same command again to go on from that checkpoint.
 EXIT_PREEMPTED = 75

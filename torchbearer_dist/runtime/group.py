@@ -19,6 +19,7 @@ from torchbearer_dist.runtime import env as env_module
 from torchbearer_dist.runtime._decision import JOIN, LEAVE, RUN
 from torchbearer_dist.runtime._live import LiveGroup, destroy_torch_group, endpoints
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
+from torchbearer_dist.runtime.errors import GlooConnectError
 
 
 def _import_torch_nn_first():
@@ -132,16 +133,16 @@ def _create(live, environ):
             # the group's own method: torch 2.13 has no dist.set_timeout (2.14's is a wrapper of it)
             dist.group.WORLD.set_timeout(env.timeout)
     except RuntimeError as error:
-        # gloo's own connect failed: a plain RuntimeError (the store's and torch's own are DistErrors) out
-        # of this connect, while the heartbeat found no peer at fault. Known by where it was raised and
-        # what the heartbeat saw, not by gloo's words.
-        if type(error) is not RuntimeError or live.state.heartbeat is not None or env.backend != 'gloo':
+        # gloo's own connect failed: a plain RuntimeError (the store's and torch's own are DistErrors) out of
+        # this connect, known by where it was raised, not by gloo's words; the fold names a peer the heartbeat
+        # found at fault instead
+        if type(error) is not RuntimeError or env.backend != 'gloo':
             raise
         name = interface or environ.get('GLOO_SOCKET_IFNAME')
         where = 'interface {!r}'.format(name) if name else 'the interface its host name resolves to'
-        raise RuntimeError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
-                           'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
-                           'machines'.format(env.rank, where, _diagnosis.describe(error))) from None
+        raise GlooConnectError('gloo on rank {} could not connect to the other ranks through {} ({}); set '
+                               'GLOO_SOCKET_IFNAME to the interface of this machine that reaches the other '
+                               'machines'.format(env.rank, where, _diagnosis.describe(error))) from None
     finally:
         if interface is not None:
             environ.pop('GLOO_SOCKET_IFNAME', None)
