@@ -66,8 +66,7 @@ class Watchdog:
     def join(self, seconds=None):
         """Wait until both threads have ended (a daemon thread inside a torch call when the interpreter finalizes
         aborts the process), ``seconds`` each, by default the store's own timeout, a beat and a second."""
-        if seconds is None:
-            seconds = self.store.timeout.total_seconds() + self.interval + Timing.WATCH_JOIN
+        seconds = self.store.timeout.total_seconds() + self.interval + Timing.WATCH_JOIN if seconds is None else seconds
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(seconds)
@@ -98,8 +97,7 @@ class Watchdog:
         while not self._stop.wait(self.interval / Timing.SAMPLES_PER_BEAT):
             dead = frozenset(self._dead_ranks())
             now = time.monotonic()
-            failed, failures = self._failed
-            seen = _decision.Observation(now, self._seen, failed, failures, dead)
+            seen = _decision.Observation(now, self._seen, *self._failed, dead)
             self.memory, verdict = _decision.judge(self.memory, seen, self.limits)
             if verdict is not None:
                 if not self._stop.is_set():

@@ -237,10 +237,8 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
 
     local_world_size = _local_world_size(source, world_size, environ)
     given = host is not None or bool(environ.get('MASTER_ADDR'))
-    if host is None:
-        host = environ.get('MASTER_ADDR')
-    if port is None:
-        port = _env_int('MASTER_PORT', environ)
+    host = environ.get('MASTER_ADDR') if host is None else host
+    port = _env_int('MASTER_PORT', environ) if port is None else port
     if host is None and source == 'slurm':
         slurm_host, slurm_port = _slurm.master(environ)[:2]
         port = slurm_port if port is None else port  # the job's own, on one node too: two jobs may share a node
@@ -251,14 +249,11 @@ def resolve(rank=None, world_size=None, host=None, port=None, backend=None, time
         sent = _mpi.address(port)
         if sent is not None:
             host, port, given = sent[0], sent[1], True
-    if host is None:
-        host = '127.0.0.1'
+    host = '127.0.0.1' if host is None else host
     if not isinstance(host, str) or not host.strip():
         raise ValueError('host should be the address of rank 0, but given {!r}; pass --host ADDR'.format(host))
     host = host.strip().strip('[]')
-    if port is None:
-        port = DEFAULT_PORT
-    port = _as_int('port', port, '--port')
+    port = _as_int('port', DEFAULT_PORT if port is None else port, '--port')
     if not 1 <= port <= 65535:
         raise ValueError('port should be between 1 and 65535, but given {}; pass a free port with --port'.format(port))
 

@@ -147,8 +147,7 @@ def _create(live, environ):
         if interface is not None:
             environ.pop('GLOO_SOCKET_IFNAME', None)
     if env.backend == 'gloo' and env.world_size > 1:
-        live.gloo = endpoints(group_store, dist.group.WORLD.group_name, env.rank,
-                                                         env.world_size)
+        live.gloo = endpoints(group_store, dist.group.WORLD.group_name, env.rank, env.world_size)
 
 
 def destroy_process_group():

@@ -105,9 +105,7 @@ def _connect(host, port, timeout):
 def _namespace(environ):
     """Key prefix of this job in the store: one per torchrun attempt, so restarts skip stale keys."""
     run_id = environ.get('TORCHELASTIC_RUN_ID')
-    if run_id is None:
-        return 'tbd/'
-    return 'tbd/{}/{}/'.format(run_id, environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+    return 'tbd/' if run_id is None else 'tbd/{}/{}/'.format(run_id, environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
 
 
 def _make_store(env, environ):
@@ -115,8 +113,7 @@ def _make_store(env, environ):
     if env.world_size == 1:
         return dist.HashStore(), None
     if env.init_method is not None:
-        path = env.init_method[len('file://'):]
-        return dist.FileStore(path, env.world_size), None
+        return dist.FileStore(env.init_method[len('file://'):], env.world_size), None
     if environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         return _connect(env.host, env.port, env.meet_timeout), None
     if env.rank == 0:
