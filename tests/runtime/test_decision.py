@@ -1,5 +1,6 @@
 """The one fold of why a rank stops (runtime/_decision.py): every rule on events and facts, no process, clock or
 store."""
+import signal
 from dataclasses import replace
 from datetime import timedelta
 
@@ -11,10 +12,13 @@ from torchbearer_dist.runtime._decision import (
     ARGUMENT,
     CAUGHT,
     COLLECTIVE,
+    FAIL,
+    FORWARD,
     FOUND,
     INTERRUPTED,
     JOIN,
     LEAVE,
+    NAME,
     OWN,
     PREEMPTED,
     PUBLISH,
@@ -22,7 +26,9 @@ from torchbearer_dist.runtime._decision import (
     READ,
     READERS,
     REPORTED,
+    RETURN,
     RUN,
+    SENSE,
     SETUP,
     STOP_PEERS,
     TICK,
@@ -34,10 +40,11 @@ from torchbearer_dist.runtime._decision import (
     Event,
     Facts,
     Memory,
+    Poll,
     State,
+    Watch,
     classify,
     decide,
-    first_failure,
     fold,
 )
 from torchbearer_dist.runtime._timing import Timing
@@ -220,13 +227,67 @@ def test_at_the_join_only_rank_0_publishes_a_peers_cause(rank):
     assert not decide(_facts(JOIN, rank=0, heartbeat=SILENT), TIMING).publish  # no heartbeat: no store kept
 
 
+GRACE, BOUND = 3.0, 63.0
+
+
+def _end(states, exitcodes, preempted=False, stopped=()):
+    """What launch does after one :class:`Poll` of ranks that have all ended, or failed past the grace."""
+    watch = Watch(GRACE, BOUND, failed_at=0.0)
+    return fold(watch, Poll(10.0, tuple(exitcodes), tuple(states), frozenset(stopped), preempted))[1][-1]
+
+
 def test_launch_names_an_own_error_then_a_silent_death_then_a_peer_failure():
-    assert first_failure(['peer', 'own', None], [1, 1, -9], 75) == 1
-    assert first_failure(['peer', 'ok', None], [1, 0, -9], 75) == 2
-    assert first_failure(['peer', None, 'ok'], [1, None, 0], 75) == 0
-    assert first_failure(['ok', None, 'ok'], [0, None, 0], 75) == 1
-    assert first_failure([None, 'ok', None], [75, 0, 75], 75) is None  # every rank left was pre-empted
-    assert first_failure([None, 'ok', None], [75, 0, None], 75) == 0
+    assert _end(['peer', 'own', None], [1, 1, -9]) == (NAME, 1, True)
+    assert _end(['peer', 'ok', None], [1, 0, -9]) == (NAME, 2, True)
+    assert _end(['peer', None, 'ok'], [1, None, 0]) == (NAME, 0, True)
+    assert _end(['ok', None, 'ok'], [0, 0, 0]) == (NAME, 1, True)  # it ended without a word
+    assert _end([None, 'ok', None], [75, 0, 75]) == (  # every rank left was pre-empted
+        FAIL, Preempted, 'every rank was pre-empted after its checkpoint; run again to resume', False)
+    assert _end([None, 'ok', None], [75, 0, None]) == (NAME, 0, True)
+    assert _end(['ok', 'ok'], [0, 0]) == (RETURN,)
+
+
+def test_restarts_follow_torchrun_except_after_the_users_stop_or_the_deadline():
+    """launch(max_restarts=R) starts every rank again as the end says. A failure to start the ranks at all (their
+    function not picklable) never reaches the fold: launch raises it (test_launch_restarts)."""
+    assert _end(['own', 'peer'], [1, 1]) == (NAME, 0, True)  # a rank's own error, deterministic or not
+    assert _end([None, 'peer'], [-signal.SIGKILL, 1]) == (NAME, 0, True)  # a rank killed
+    assert _end(['own', 'peer'], [None, 1]) == (NAME, 0, True)  # a rank still running, stopped by launch
+    assert _end(['own', 'peer'], [130, 1]) == (NAME, 0, False)  # a rank's Ctrl-C
+    assert _end([None, 'peer'], [-signal.SIGINT, 1]) == (NAME, 0, False)
+    assert _end(['own', 'peer'], [1, 1], preempted=True) == (NAME, 0, False)  # a pre-emption signal to the launcher
+    line = 'ranks [1] still running after the 5 s deadline; stopped them'
+    assert fold(Watch(GRACE, BOUND, 5.0), Poll(5.5, (0, None), ('ok', None), stalled=frozenset()))[1] == (
+        (FAIL, RuntimeError, line, False),)
+    assert fold(Watch(GRACE, BOUND, 5.0), Poll(5.0, (None, None), (None, None)))[1] == ((WAIT,),)
+
+
+def test_a_rank_left_running_alone_is_sensed_and_a_stopped_one_named_first():
+    """A rank that ended well leaves the others alone: the applier senses which used no CPU for the bound (a frozen
+    rank, stopped by launch, is restarted unless the launcher was pre-empted); after a failure none is sensed."""
+    watch, poll = Watch(GRACE, BOUND), Poll(70.0, (0, None, None), ('ok', None, None), frozenset({2}))
+    watch, actions = fold(watch, poll)
+    assert actions == ((SENSE, [1, 2]),) and watch == Watch(GRACE, BOUND)
+    assert fold(watch, replace(poll, stalled=frozenset()))[1] == ((WAIT,),)
+    line = ('rank {} did not end within 63 s of the other ranks, and used no CPU meanwhile: it is frozen (stopped '
+            'by a signal, or stuck in native code); stopped it')
+    assert fold(watch, replace(poll, stalled=frozenset({1, 2})))[1] == ((FAIL, RuntimeError, line.format(2), True),)
+    assert fold(watch, replace(poll, stalled=frozenset({1}), stopped=frozenset()))[1] == (
+        (FAIL, RuntimeError, line.format(1), True),)
+    assert fold(replace(watch, preempted=True), replace(poll, stalled=frozenset({1}), preempted=True))[1] == (
+        (FAIL, RuntimeError, line.format(1), False),)
+    assert fold(watch, Poll(70.0, (1, None), ('own', None)))[1] == ((WAIT,),)  # a failure: the grace
+
+
+def test_a_preemption_signal_is_passed_on_once_and_a_failure_waits_the_grace_unless_the_rest_are_stopped():
+    watch, actions = fold(Watch(GRACE, BOUND), Poll(1.0, (None, None), (None, None), preempted=True))
+    assert actions == ((FORWARD, [0, 1]), (WAIT,)) and watch.preempted
+    watch, actions = fold(watch, Poll(2.0, (75, None), (None, None), preempted=True))
+    assert actions == ((WAIT,),) and watch.failed_at == 2.0
+    assert fold(watch, Poll(2.0 + GRACE, (75, None), (None, None), preempted=True))[1] == ((WAIT,),)
+    assert fold(watch, Poll(2.1 + GRACE, (75, None), (None, None), preempted=True))[1] == ((NAME, 0, False),)
+    assert fold(watch, Poll(2.5, (75, None), (None, None), frozenset({1}), True))[1] == ((NAME, 0, False),)
+    assert fold(watch, Poll(2.5, (75, 75), (None, None), preempted=True))[1][0][:2] == (FAIL, Preempted)
 
 
 def test_a_connection_closed_in_a_job_of_three_names_the_rank_whose_beat_stopped_on_rank_0():

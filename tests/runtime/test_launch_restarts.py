@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 import torchbearer_dist
-from torchbearer_dist.runtime._decision import restarts_after
-from torchbearer_dist.runtime._supervisor import Ending
 
 from _dist import PG_TIMEOUT, STARTUP, free_port, launch_workers
 
@@ -125,17 +123,6 @@ def test_bad_max_restarts_is_refused_before_starting_anything(tmp_path, max_rest
         torchbearer_dist.launch(_worker_rank1_fails_at_every_start, 2, args=(str(tmp_path / 'starts'),),
                                 max_restarts=max_restarts)
     assert not (tmp_path / 'starts').exists()
-
-
-def test_restarts_follow_torchrun_except_after_the_users_stop_or_the_deadline():
-    assert restarts_after(Ending(watched=True, status=1))  # a rank's own error, deterministic or not
-    assert restarts_after(Ending(watched=True, status=-signal.SIGKILL))  # a rank killed
-    assert restarts_after(Ending(watched=True, status=None))  # a frozen rank, stopped by launch
-    assert not restarts_after(Ending(watched=True, status=130))  # a rank's Ctrl-C
-    assert not restarts_after(Ending(watched=True, status=-signal.SIGINT))
-    assert not restarts_after(Ending(watched=True, preempted=True, status=1))  # a pre-emption signal to the launcher
-    assert not restarts_after(Ending(watched=True, deadline=True))
-    assert not restarts_after(Ending(status=None))  # the ranks did not start (their function not picklable)
 
 
 def test_a_function_that_cannot_be_started_is_not_restarted(capsys):

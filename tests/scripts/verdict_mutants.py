@@ -11,7 +11,7 @@ one core.
 The mutants are the three that passed every verdict test before (issue 34), a change of each bound that
 docs/troubleshooting.rst states for the heartbeat, the two that passed every fast runtime test before
 (issue 44: the heartbeat's cause never published, ``timed_out`` at a third of the limit), and rules of
-the fold, of :func:`decide` and of the applier.
+the fold, of :func:`decide`, of the applier and of the launcher's watch (which rank it names, whether it restarts).
 """
 import os
 import re
@@ -93,7 +93,13 @@ MUTANTS = {
         ('decide: only rank 0 publishes in the block', 'published = rank == 0 or cause.rank > 0 or',
          'published = rank == 0 or'),
         ('decide: rank 0 waits for no reader', 'readers=rank == 0, skip=cause.rank, stop_peers=True)',
-         'readers=False, skip=cause.rank, stop_peers=True)')]},
+         'readers=False, skip=cause.rank, stop_peers=True)'),
+        # the launcher's watch: which rank it names, what it passes on, whether it starts its ranks again
+        ('launch: a peer failure named first', "rank = ([r for r in unfinished if e.states[r] == 'own']",
+         "rank = ([r for r in unfinished if e.states[r] == 'peer']"),
+        ("launch: restarts after a rank's Ctrl-C", 'not in (130, -signal.SIGINT)', 'not in (-signal.SIGINT,)'),
+        ('launch: restarts after a pre-emption signal', 'not s.preempted and e.exitcodes[rank]', 'e.exitcodes[rank]'),
+        ('launch: the pre-emption signal not passed on', 'forward = ((FORWARD, running),) *', 'forward = () *')]},
     # the applier: it publishes what it is told to, over the connection it is told
     "applier: the heartbeat's connection publishes nothing": (
         LIVE, '_diagnosis.publish(self.client if args[1] else self.store, args[0])',

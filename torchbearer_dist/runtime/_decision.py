@@ -7,8 +7,9 @@ master's port's answer (``TOLD``), a wait's end (``TICK``), a Ctrl-C the main th
 :func:`judge`, a fold of its own :class:`Observation` (one per wake-up of the watch thread) into :class:`Memory`,
 whose memory every event carries. The live group (:mod:`._live`) is the one applier: it senses, folds and does
 what the actions say (publish, wake, stop the peers, wait for the readers, raise the one line). The causes'
-words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s. :func:`first_failure` and :func:`restarts_after`
-decide for :func:`~torchbearer_dist.launch` which rank it names and whether it starts its ranks again.
+words are :mod:`._diagnosis`'s, the waits :mod:`._timing`'s. The launcher's watch of its ranks is folded too (a
+:class:`Poll`, applied by :func:`~._supervisor.supervise`): which rank :func:`~torchbearer_dist.launch` names, and
+whether it starts its ranks again.
 
 The heartbeat's rules, each learned from a healthy job once ended by the rule before it:
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from torchbearer_dist.runtime import _diagnosis as causes
 from torchbearer_dist.runtime._timing import Timing
-from torchbearer_dist.runtime.errors import GlooConnectError, PeerFailedError, Preempted
+from torchbearer_dist.runtime.errors import EXIT_PREEMPTED, GlooConnectError, PeerFailedError, Preempted
 
 #: Where the main thread is when it stops: group creation (the handshake, gloo's connect, the barrier)
 #: failed; the program's block raised; the block ended well.
@@ -256,7 +257,22 @@ def fold(state, event):
     PeerFailedError naming ``cause``, or, None, the error caught. Rank 0, whose process holds the store, waits for
     its readers: every other rank but the one the cause names (which published it, died or fell silent) and the
     local peers seen gone.
+
+    The launcher's watch of one start of its ranks folds too: a :class:`Watch` and its one event, a :class:`Poll`
+    (their exit statuses, reports, the ranks stopped by a signal, a pre-emption signal to the launcher, the clock
+    that the grace and the deadline count on, and, answering a ``SENSE``, the ranks that stalled). Its actions:
+    ``(FORWARD, ranks)`` pass the pre-emption signal on to the running ranks (SIGTERM), once; ``(SENSE, ranks)``
+    which of the ranks left running alone have stalled (the same poll, sensed); ``(WAIT,)`` wait for a rank, or
+    ``Timing.CHILDREN_POLL``; the start's end: ``(RETURN,)`` every rank returned, ``(NAME, rank, restarts)`` stop
+    the ranks and raise ``rank``'s error (a rank's own error first, then a rank that died without a word, then a
+    peer failure, then any rank that did not finish), ``(FAIL, type, line, restarts)`` raise ``type(line)`` (a
+    stalled rank, the deadline, or Preempted: every rank that did not finish was pre-empted). ``restarts``: whether
+    ``launch(max_restarts=R)`` starts every rank again, as torchrun does after any failure, but not after the
+    user's stop (a pre-emption signal to the launcher, a rank ended by Ctrl-C: status 130, or SIGINT) or the
+    deadline.
     """
+    if isinstance(event, Poll):
+        return _watch(state, event)
     s, e, env = state, event, state.env
     quiet = silences(e.memory, e.now) if e.memory is not None else {}  # how long each watched beat has not changed
     if s.decided is not None:  # the main thread decided: only its readers' answer counts now
@@ -451,24 +467,56 @@ def cause_of(verdict, env):
                 verdict.kind, lambda: causes.no_heartbeat(verdict.rank, verdict.seconds))()
 
 
-def first_failure(states, exitcodes, preempted_status):
-    """The rank :func:`~torchbearer_dist.launch` names: a rank's own error first, then a rank that died without a
-    word, then a peer failure, then any rank that did not finish; None when every rank that did not finish was
-    pre-empted (and one was). Per rank, ``states`` says what it reported (``'ok'``, ``'own'``, ``'peer'``: a
-    PeerFailedError, or None) and ``exitcodes`` its status (None while it runs)."""
-    unfinished = [r for r, state in enumerate(states) if state != 'ok']
-    died = [r for r in unfinished if exitcodes[r] not in (None, 0)]
-    if died and all(exitcodes[r] == preempted_status for r in unfinished):
-        return None
-    return ([r for r in unfinished if states[r] == 'own'] + [r for r in died if states[r] is None] +
-            [r for r in unfinished if states[r] == 'peer'] + unfinished)[0]
+# ---------------------------------------------------------------- the launcher's watch of its ranks
+FORWARD, SENSE, RETURN, NAME, FAIL = 'forward', 'sense', 'return', 'name', 'fail'  # the launcher's (see fold)
 
 
-def restarts_after(ending, interrupted_status=130):
-    """Whether ``launch(max_restarts=R)``, its restarts not yet spent, starts every rank again after a start that
-    failed (``ending``: :class:`~torchbearer_dist.runtime._supervisor.Ending`). After any failure of a rank, as
-    torchrun does, even an error that will recur; not after the user's stop (a pre-emption signal to the launcher,
-    a root cause ended by Ctrl-C: the status ``interrupted_status`` a rank exits with, or SIGINT), the deadline, or
-    a failure to start the ranks at all (torchrun's agent does not restart that either)."""
-    return ending.watched and not (ending.preempted or ending.deadline or
-                                   ending.status in (interrupted_status, -signal.SIGINT))
+@dataclass(frozen=True)
+class Watch:
+    """What :func:`~torchbearer_dist.launch` knows of one start of its ranks, folded from every :class:`Poll`;
+    replaced, never changed."""
+    grace: float  # seconds to wait after the first failure for the other ranks' reports
+    bound: float  # seconds a rank left running alone may use no CPU (Timing.last_rank)
+    deadline: float = None  # seconds after which the ranks still running are stopped (None: never)
+    failed_at: float = float('inf')  # when a rank first exited with a status but 0 or reported an error (inf: none)
+    preempted: bool = False  # a pre-emption signal reached the launcher, and was passed on to the ranks
+
+
+@dataclass(frozen=True)
+class Poll:
+    """What the launcher sees of its ranks at one look, rank by rank, as it comes to :func:`fold`."""
+    now: float  # seconds since the deadline's clock started (the first start's)
+    exitcodes: tuple  # each rank's exit status (None: it runs)
+    states: tuple  # what each rank reported: 'ok', 'own' (its own error), 'peer' (a PeerFailedError) or None
+    stopped: frozenset = frozenset()  # the running ranks stopped by a signal
+    preempted: bool = False  # a pre-emption signal reached the launcher
+    stalled: frozenset = None  # of the ranks a SENSE named, those idle for the bound (None: not sensed)
+
+
+def _watch(s, e):
+    """:func:`fold` for the launcher's :class:`Poll`."""
+    running = [r for r, code in enumerate(e.exitcodes) if code is None]
+    forward = ((FORWARD, running),) * (e.preempted and not s.preempted)
+    failed = any(code not in (None, 0) for code in e.exitcodes) or any(state in ('own', 'peer') for state in e.states)
+    s = replace(s, preempted=s.preempted or e.preempted, failed_at=min(s.failed_at, e.now) if failed else s.failed_at)
+    if not running or failed and (set(running) <= e.stopped or e.now - s.failed_at > s.grace):
+        unfinished = [r for r, state in enumerate(e.states) if state != 'ok']  # a stopped rank will not report
+        died = [r for r in unfinished if e.exitcodes[r] not in (None, 0)]
+        if not unfinished or died and all(e.exitcodes[r] == EXIT_PREEMPTED for r in unfinished):
+            return s, forward + ((FAIL, Preempted, 'every rank was pre-empted after its checkpoint; run again to '
+                                  'resume', False) if unfinished else (RETURN,),)
+        rank = ([r for r in unfinished if e.states[r] == 'own'] + [r for r in died if e.states[r] is None] +
+                [r for r in unfinished if e.states[r] == 'peer'] + unfinished)[0]
+        return s, forward + ((NAME, rank, not s.preempted and e.exitcodes[rank] not in (130, -signal.SIGINT)),)
+    if not failed and len(running) < len(e.exitcodes):  # ranks left running alone
+        if e.stalled is None:
+            return s, forward + ((SENSE, running),)
+        if e.stalled:  # a stopped one first: the others may be waiting for it
+            line = ('rank {} did not end within {:g} s of the other ranks, and used no CPU meanwhile: it is frozen '
+                    '(stopped by a signal, or stuck in native code); stopped it')
+            rank = min(e.stalled, key=lambda r: (r not in e.stopped, r))
+            return s, forward + ((FAIL, RuntimeError, line.format(rank, s.bound), not s.preempted),)
+    if s.deadline is not None and e.now > s.deadline:
+        line = 'ranks {} still running after the {:g} s deadline; stopped them'.format(running, s.deadline)
+        return s, forward + ((FAIL, RuntimeError, line, False),)
+    return s, forward + ((WAIT,),)

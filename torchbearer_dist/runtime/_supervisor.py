@@ -1,6 +1,6 @@
 """How :func:`~torchbearer_dist.launch` watches its ranks: their stderr passed on and its last lines kept; the
-loop that collects the reports, stops the others after the first failure, names the root cause
-(:func:`~torchbearer_dist.runtime._decision.first_failure`), and stops a frozen last rank."""
+applier of the launcher's events (:func:`~torchbearer_dist.runtime._decision.fold` decides), which collects the
+reports, stops the others after the first failure, names the root cause, and stops a frozen last rank."""
 import collections
 import dataclasses
 import os
@@ -12,8 +12,7 @@ import time
 from multiprocessing import connection, resource_tracker, util
 
 from torchbearer_dist._once import warn_once
-from torchbearer_dist.runtime import _peers, errors, interrupts
-from torchbearer_dist.runtime._decision import first_failure
+from torchbearer_dist.runtime import _decision, _peers, errors, interrupts
 from torchbearer_dist.runtime._timing import Timing
 
 #: What is lost when multiprocessing's finalizers moved (see :func:`release_multiprocessing_objects`).
@@ -23,16 +22,6 @@ LOST = ("multiprocessing.util._run_finalizers is gone from this Python: a rank t
 
 class RemoteTraceback(Exception):
     """Carries a rank's traceback text as the ``__cause__`` of the error re-raised in the launcher."""
-
-
-def _collect(pipes, reports):
-    """Add to ``reports`` what each rank that has not reported yet sent (None: its pipe broke)."""
-    for rank, pipe in enumerate(pipes):
-        if rank not in reports and pipe.poll():
-            try:
-                reports[rank] = pickle.loads(pipe.recv_bytes())
-            except (EOFError, OSError):
-                reports[rank] = None
 
 
 def release_multiprocessing_objects():
@@ -56,15 +45,18 @@ def stop(processes):
         process.join()
 
 
-def error_for(rank, report, exitcode, tail):
+def error_for(rank, report, exitcode, stderr):
+    """The error launch raises for rank ``rank``: its ``report``'s, ``rank R failed:`` in front and its traceback
+    as the cause, or, where it sent none (None), its ``exitcode`` and its last lines on ``stderr``
+    (:class:`StderrTail`, drained first)."""
     if report is None:
+        stderr.drain()
         name = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
         how = 'was killed by {}'.format(name) if name else 'exited with status {}'.format(exitcode)
-        last = [line for line in tail if line.strip()]
-        if not last:
-            return RuntimeError('rank {} {} before reporting an error'.format(rank, how))
-        return RuntimeError('rank {} {} before reporting an error; its last lines on stderr: {}\n{}'.format(
-            rank, how, last[-1].strip(), '\n'.join('    ' + line for line in last)))
+        last = [line for line in stderr.tail(rank) if line.strip()]
+        words = '; its last lines on stderr: {}\n{}'.format(last[-1].strip(), '\n'.join(
+            '    ' + line for line in last)) if last else ''
+        return RuntimeError('rank {} {} before reporting an error{}'.format(rank, how, words))
     _, line, text, error = report
     if isinstance(error, errors.PeerFailedError):
         pass  # its message names the rank at fault, and this one as "(rank R stopped)"
@@ -163,74 +155,48 @@ def _stalled(marks, rank, pid, now, bound):
     return now - since > bound - (Timing.STOPPED_EARLY if state in ('T', 't') else 0.0)
 
 
-@dataclasses.dataclass
-class Ending:
-    """What :func:`supervise` saw of a start of the ranks that did not succeed: the facts that launch's restart
-    policy reads (:func:`~torchbearer_dist.runtime._decision.restarts_after`)."""
-    watched: bool = False  # every rank started and was watched: a failure to start one (its function not picklable)
-    # is the launcher's own
-    preempted: bool = False  # a pre-emption signal reached the launcher (and was passed on to the ranks)
-    deadline: bool = False  # the deadline passed, and the ranks still running were stopped
-    status: int = None  # the exit status of the rank named as the root cause (None: it was still running)
-
-
-def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr, started=None, ending=None):
-    """Watch the ranks until they end: what each returned, in rank order, or the root cause's error raised.
-    ``started``: when the ``deadline``'s clock started (:func:`time.monotonic`; now by default); ``ending``: an
-    :class:`Ending` that learns why, when the ranks did not all succeed."""
-    reports = {}
-    started = time.monotonic() if started is None else started
-    ending = Ending() if ending is None else ending
-    ending.watched = True
-    failed_at = None
-    forwarded = False
-    marks = {}  # for _stalled
+def supervise(processes, pipes, deadline, grace, last_rank_bound, stderr, started=None):
+    """Watch the ranks until they end, the applier of the launcher's events (:func:`~._decision.fold`): it senses
+    their exit statuses, reports and ``/proc``, folds each :class:`~._decision.Poll` and does what the actions say.
+    Returns ``(results, error, restarts)``: what each rank returned, in rank order, or the root cause's error and
+    whether launch starts every rank again. ``started``: when the ``deadline``'s clock started
+    (:func:`time.monotonic`; now by default)."""
+    reports, marks, started = {}, {}, time.monotonic() if started is None else started  # marks: for _stalled
+    watch, event = _decision.Watch(grace, last_rank_bound, deadline), _poll(processes, pipes, reports, started)
     while True:
-        if interrupts.preemption_requested() and not forwarded:  # under watch_preemption() in this process
-            forwarded = ending.preempted = True
-            for process in processes:
-                if process.exitcode is None:
-                    os.kill(process.pid, signal.SIGTERM)
-        _collect(pipes, reports)
-        failed = any(p.exitcode not in (None, 0) for p in processes) or any(
-            rep is not None and rep[0] == 'error' for rep in reports.values())
-        if failed and failed_at is None:
-            failed_at = time.monotonic()
-        running = [r for r, p in enumerate(processes) if p.exitcode is None]
-        if failed_at and all(_stat(processes[r].pid)[0] in ('T', 't') for r in running):
-            break  # the rest are stopped by a signal: they will not report
-        if all(p.exitcode is not None for p in processes) or (failed_at and time.monotonic() - failed_at > grace):
-            break
-        if not failed and len(running) < len(processes):
-            stalled = [r for r in running if _stalled(marks, r, processes[r].pid, time.monotonic(), last_rank_bound)]
-            if stalled:  # a stopped process first: the others may be waiting for it
-                stalled.sort(key=lambda r: _stat(processes[r].pid)[0] not in ('T', 't'))
-                raise RuntimeError('rank {} did not end within {:g} s of the other ranks, and used no CPU '
-                                   'meanwhile: it is frozen (stopped by a signal, or stuck in native code); '
-                                   'stopped it'.format(stalled[0], last_rank_bound))
-        if deadline is not None and time.monotonic() - started > deadline:
-            ending.deadline = True
-            raise RuntimeError('ranks {} still running after the {:g} s deadline; stopped them'.format(
-                running, deadline))
-        connection.wait([p.sentinel for p in processes] + pipes, timeout=Timing.CHILDREN_POLL)
-    _collect(pipes, reports)
-    results = {rank: report[1] for rank, report in reports.items() if report is not None and report[0] == 'ok'}
-    if len(results) == len(processes):
-        return [results[r] for r in range(len(processes))]
-    states = [_state(reports.get(r)) for r in range(len(processes))]
-    rank = first_failure(states, [p.exitcode for p in processes], interrupts.EXIT_PREEMPTED)
-    if rank is None:
-        raise interrupts.Preempted('every rank was pre-empted after its checkpoint; run again to resume')
-    ending.status = processes[rank].exitcode
-    stop(processes)
-    ending.preempted = ending.preempted or interrupts.preemption_requested() is not None
-    if reports.get(rank) is None:
-        stderr.drain()
-    raise error_for(rank, reports.get(rank), processes[rank].exitcode, stderr.tail(rank))
+        watch, actions = _decision.fold(watch, event)
+        for action, *args in actions:
+            if action == _decision.FORWARD:  # under watch_preemption() in this process
+                for rank in args[0]:
+                    os.kill(processes[rank].pid, signal.SIGTERM)
+            elif action == _decision.SENSE:
+                event = dataclasses.replace(event, stalled=frozenset(
+                    r for r in args[0] if _stalled(marks, r, processes[r].pid, event.now, last_rank_bound)))
+            elif action == _decision.WAIT:
+                connection.wait([p.sentinel for p in processes] + pipes, timeout=Timing.CHILDREN_POLL)
+                event = _poll(processes, pipes, reports, started)
+            elif action == _decision.RETURN:
+                return [reports[r][1] for r in range(len(processes))], None, False
+            elif action == _decision.FAIL:
+                return None, args[0](args[1]), args[2]
+            else:  # NAME: every rank stopped first (one still running reads as killed)
+                stop(processes)
+                return None, error_for(args[0], reports.get(args[0]), processes[args[0]].exitcode, stderr), args[1]
 
 
-def _state(report):
-    """What a rank's report says, as :func:`~torchbearer_dist.runtime._decision.first_failure` reads it."""
-    if report is None or report[0] == 'ok':
-        return None if report is None else 'ok'
-    return 'peer' if isinstance(report[3], errors.PeerFailedError) else 'own'
+def _poll(processes, pipes, reports, started):
+    """What the ranks show now, on the clock started at ``started``, as a :class:`~._decision.Poll`: their exit
+    statuses read first, so that a rank seen ended has its report collected into ``reports`` (None: a broken pipe)."""
+    exitcodes = tuple(process.exitcode for process in processes)
+    for rank, pipe in enumerate(pipes):
+        if rank not in reports and pipe.poll():
+            try:
+                reports[rank] = pickle.loads(pipe.recv_bytes())
+            except (EOFError, OSError):
+                reports[rank] = None
+    states = tuple(None if report is None else 'ok' if report[0] == 'ok' else 'peer' if isinstance(
+        report[3], errors.PeerFailedError) else 'own' for report in map(reports.get, range(len(processes))))
+    stopped = frozenset(r for r, code in enumerate(exitcodes)
+                        if code is None and _stat(processes[r].pid)[0] in ('T', 't'))
+    return _decision.Poll(time.monotonic() - started, exitcodes, states, stopped,
+                          interrupts.preemption_requested() is not None)

@@ -17,7 +17,6 @@ from multiprocessing import get_context
 import torch
 
 from torchbearer_dist.runtime import _diagnosis, _supervisor, group, interrupts
-from torchbearer_dist.runtime._decision import restarts_after
 from torchbearer_dist.runtime._timing import Timing
 from torchbearer_dist.runtime.env import resolve, with_rendezvous_timeout
 from torchbearer_dist.runtime.network import free_port
@@ -193,23 +192,23 @@ def launch(fn, world_size, args=(), kwargs=None, host='127.0.0.1', port=None, ba
         # is never imported by Python 3.11's server (cpython issue 98552): each rank would import torch afresh.
         context.set_forkserver_preload(['torchbearer_dist'])
     started = time.monotonic()  # the deadline's clock, over every start
-    for restart in range(max_restarts + 1):
-        ending = _supervisor.Ending()
-        try:
-            return _start(context, method, fn, world_size, args, kwargs, host, free_port(host) if port is None
-                          else port, backend, timeout, deadline, started, grace, rendezvous_timeout,
-                          restart if max_restarts else None, ending)
-        except Exception as error:  # not Ctrl-C, nor a pre-emption (SystemExit): those end the launch
-            if restart == max_restarts or not restarts_after(ending):
-                raise
-            print('torchbearer_dist: {}; starting {} again (restart {} of {})'.format(
-                _first_line(error), 'the rank' if world_size == 1 else 'the {} ranks'.format(world_size),
-                restart + 1, max_restarts), file=sys.stderr, flush=True)
+    for restart in range(max_restarts + 1):  # a failure to start the ranks at all (fn not picklable) is raised
+        results, error, restarts = _start(context, method, fn, world_size, args, kwargs, host, free_port(host)
+                                          if port is None else port, backend, timeout, deadline, started, grace,
+                                          rendezvous_timeout, restart if max_restarts else None)
+        if error is None:
+            return results
+        if restart == max_restarts or not restarts:  # the fold's decision (see _decision.fold)
+            raise error
+        print('torchbearer_dist: {}; starting {} again (restart {} of {})'.format(
+            _first_line(error), 'the rank' if world_size == 1 else 'the {} ranks'.format(world_size),
+            restart + 1, max_restarts), file=sys.stderr, flush=True)
 
 
 def _start(context, method, fn, world_size, args, kwargs, host, port, backend, timeout, deadline, started, grace,
-           rendezvous_timeout, restart, ending):
-    """One start of every rank, watched until each has ended (all of them stopped and reaped on return)."""
+           rendezvous_timeout, restart):
+    """One start of every rank, watched until each has ended (all of them stopped and reaped on return):
+    :func:`~._supervisor.supervise`'s ``(results, error, restarts)``."""
     processes, pipes, stderr = [], [], _supervisor.StderrTail()
     try:
         for rank in range(world_size):
@@ -225,7 +224,7 @@ def _start(context, method, fn, world_size, args, kwargs, host, port, backend, t
         interrupts.training(True)  # a pre-emption signal here is forwarded to the ranks (see _supervisor.supervise)
         try:
             return _supervisor.supervise(processes, pipes, deadline, grace,
-                                         _last_rank_bound(timeout, rendezvous_timeout), stderr, started, ending)
+                                         _last_rank_bound(timeout, rendezvous_timeout), stderr, started)
         finally:
             interrupts.training(False)
     finally:
