@@ -59,8 +59,7 @@ def master(environ):
     nodelist = next((environ[name] for name in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST')
                      if environ.get(name)), None)
     hosts = hostnames(nodelist) if nodelist else []
-    if nodes is None:
-        nodes = len(set(hosts)) or None
+    nodes = (len(set(hosts)) or None) if nodes is None else nodes
     host = hosts[0] if hosts and (nodes or 1) > 1 else None
     job = environ.get('SLURM_JOB_ID', '')
     port = 15000 + int(job[-4:]) if job.isdigit() else None

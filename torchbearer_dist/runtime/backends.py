@@ -27,14 +27,11 @@ def default_backend(device=None, cuda_available=None):
         str: the backend name
     """
     if isinstance(device, torch.nn.Module):
-        tensor = next(iter(device.parameters()), None)
-        if tensor is None:
-            tensor = next(iter(device.buffers()), None)
+        tensor = next(iter(device.parameters()), next(iter(device.buffers()), None))
         device = None if tensor is None else tensor.device
     if device is None:
         return 'gloo'
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     return 'nccl' if cuda_available and torch.device(device).type == 'cuda' else 'gloo'
 
 
