@@ -78,7 +78,7 @@ def _worker(args):
         torchft.Manager.start_quorum = timed('Q', torchft.Manager.start_quorum)
         torchft.Manager.should_commit = timed('C', torchft.Manager.should_commit)
         # what is left at the end of backward: the buckets not yet sent, every wait, the copy back
-        FaultTolerantAllReduce._average = timed('A', FaultTolerantAllReduce._average)
+        FaultTolerantAllReduce.on_backward = timed('A', FaultTolerantAllReduce.on_backward)
         run(tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
                                       min_replicas=args.min_replicas, timeout=args.timeout))
     else:
@@ -99,7 +99,7 @@ def _start(mode, replica, opts, lighthouse='', port=0, log=None, hosts=None):
     if hosts is not None:  # gloo on the host's own link: its host name resolves outside the namespace
         env['GLOO_SOCKET_IFNAME'] = hosts.links[replica]
         command = hosts.command(replica, command)
-    return subprocess.Popen(command, stdout=log or subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
+    return subprocess.Popen(command, stdout=log or subprocess.PIPE, stderr=log or subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 
 
@@ -160,10 +160,10 @@ def cost(opts):
                         time.sleep(3)
                     port = 29520 + len(rows) if shared else _free_port()  # rank 0's store, on host 0 with --link
                     procs = [_start(mode, r, opts, net.address, port, hosts=net.hosts) for r in range(opts.replicas)]
-                    outs = [p.communicate(timeout=1800)[0] for p in procs]
+                    outs, errs = zip(*(p.communicate(timeout=1800) for p in procs))
                 if any(p.returncode for p in procs) or min(len(_times(out)) for out in outs) < 7:  # 5 skipped
-                    raise RuntimeError('a {} run failed (exit codes {}):\n{}'.format(
-                        mode, [p.returncode for p in procs], outs[0][-2000:]))
+                    raise RuntimeError('a {} run failed (exit codes {}):\n{}\n{}'.format(
+                        mode, [p.returncode for p in procs], outs[0][-2000:], errs[0][-3000:]))
                 ms = statistics.median(_ms_per_step(_times(out), skip=5) for out in outs)
                 rows.append({'repeat': repeat, 'mode': mode, 'ms_per_step': round(ms, 2)})
                 for name, what in (('Q', 'quorum_ms'), ('C', 'commit_ms'), ('A', 'all_reduce_ms')):

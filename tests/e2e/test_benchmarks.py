@@ -1,5 +1,6 @@
 """Smoke runs of the benchmarks: they run end to end and write what the docs show. No timing is asserted."""
 import csv
+import json
 import os
 import sys
 
@@ -130,3 +131,19 @@ def test_the_performance_plot_is_the_page_width_and_its_text_legible(tmp_path, m
     assert header[:8] == b'\x89PNG\r\n\x1a\n'
     assert struct.unpack('>I', header[16:20])[0] == 720
     assert sizes and min(sizes) >= 11
+
+
+@pytest.mark.slow
+def test_fault_tolerant_cost_runs_every_mode_and_times_the_managers_rounds(tmp_path):
+    # benchmarks/ft.py patches the fault-tolerant callback's methods to time them: one renamed broke it silently
+    # (its workers' stderr went nowhere) until a measurement was asked of it
+    pytest.importorskip('torchft')
+    out = tmp_path / 'cost.json'
+    result = run_command(python(os.path.join(ROOT, 'benchmarks', 'ft.py'), 'cost', '--model', 'mlp', '--repeats', '1',
+                                '--steps', '12', '--out', str(out)), timeout=170, cwd=ROOT)
+    assert result.returncode == 0, 'benchmark failed:\nstdout:\n{}\nstderr:\n{}'.format(
+        result.stdout[-3000:], result.stderr[-3000:])
+    rows = json.loads(out.read_text())['rows']
+    assert sorted(r['mode'] for r in rows) == ['ft', 'sync', 'sync-flat'] and all(r['ms_per_step'] > 0 for r in rows)
+    ft = next(r for r in rows if r['mode'] == 'ft')
+    assert ft['quorum_ms'] > 0 and ft['commit_ms'] > 0 and ft['all_reduce_ms'] > 0, ft
