@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -163,6 +164,20 @@ def ready_at_the_first_quorum():
         return original(self, *args, **kwargs)
     Replica.start_quorum = start_quorum
 
+def stop_in_quorum(count):
+    """SIGSTOP this process as it enters its ``count``-th quorum call to torchft (its timeout already set), as a
+    machine paused there would be: the call's deadline passes while it is stopped."""
+    import torchft
+    original, calls = torchft.Manager.start_quorum, []
+
+    def start_quorum(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == count:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return original(self, *args, **kwargs)
+    torchft.Manager.start_quorum = start_quorum
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--lighthouse', type=str, required=True)
@@ -175,6 +190,7 @@ def main():
     parser.add_argument('--timeout', type=float, default=10.0)
     parser.add_argument('--gate', type=str, help='a file to wait for at the --gate-step-th step of this process')
     parser.add_argument('--gate-step', type=int, default=0)
+    parser.add_argument('--stop-in-quorum', type=int, default=None, help='SIGSTOP itself in its N-th quorum call')
     parser.add_argument('--checkpoint', type=str, help="this replica's checkpoint file (Checkpoint, every epoch)")
     parser.add_argument('--min-replicas', type=int, default=1)
     parser.add_argument('--record', type=str, help="save what the user's callbacks saw here (torch.save)")
@@ -233,6 +249,8 @@ def train(args, group_size=1, rank=0):
     if args.resume:
         tbd.load_checkpoint(args.resume, trial=trial)
     ready_at_the_first_quorum()
+    if args.stop_in_quorum:
+        stop_in_quorum(args.stop_in_quorum)
     history = trial.run(args.epochs, verbose=0)
     if args.then_epochs:
         history = trial.run(args.then_epochs, verbose=0)

@@ -245,7 +245,19 @@ class FaultTolerantAllReduce(Callback):
         for _ in range(VOTES):
             trained = manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
             self._refusal = None
-            self.replica.start_quorum(shrink_only, heal=heal)
+            try:
+                self.replica.start_quorum(shrink_only, heal=heal)
+            except _heal.Refused:
+                raise
+            except RuntimeError:  # no quorum: where this process was stopped inside the call, that stop is why
+                during = self._clock.take()
+                if not during:
+                    raise
+                raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) while it asked '
+                                    'for a quorum, past the quorum\'s timeout, and the others went on without it; it '
+                                    'stops rather than train on from where it was (restart it: it heals from the live '
+                                    'replicas, or starts anew)'.format(during)) from None
+            stopped = max(stopped, self._clock.take())  # stopped inside the call, its quorum formed after
             if not self._vote(trained):
                 break  # nobody refused: the quorum trains; else a new one, without the replica refused
         else:
