@@ -462,6 +462,17 @@ def children(pid=None):
     return [found for found, fields in _live_processes() if fields[1] == parent]
 
 
+def descendants(pid):
+    """``pid`` and its live descendants, from one read of /proc (a launcher's workers lead sessions of their own)."""
+    below = {}
+    for found, fields in _live_processes():
+        below.setdefault(int(fields[1]), []).append(found)
+    tree = [pid]
+    for parent in tree:  # grows as it is walked
+        tree += below.get(parent, [])
+    return tree
+
+
 def session(sid):
     """The live (not zombie) processes of session ``sid`` (a process started with ``start_new_session``)."""
     return [found for found, fields in _live_processes() if int(fields[3]) == sid]

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from _dist import STARTUP, HangGuard, child_env, children, kill_session, python
+from _dist import STARTUP, HangGuard, child_env, descendants, kill_session, python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,7 +60,7 @@ class Replicas:
         """
         guard = HangGuard(deadline)
         while not what():
-            guard.pids = [pid for i in starting for pid in _tree(self.process(i).pid)]
+            guard.pids = [pid for i in starting for pid in descendants(self.process(i).pid)]
             if guard.expired() if starting else time.monotonic() - guard.started > deadline:
                 raise AssertionError('still waiting {}:\n{}'.format(
                     guard.describe() if starting else 'after {} s'.format(deadline), self.describe()))
@@ -78,14 +78,6 @@ class Replicas:
         for process, _, _ in self.started:
             kill_session(process.pid)
             process.wait()
-
-
-def _tree(pid):
-    """``pid`` and its live descendants (a launcher's workers lead sessions of their own)."""
-    found = [pid]
-    for child in children(pid):
-        found += _tree(child)
-    return found
 
 
 def train_together(tmp_path, args, deadline, hosts=None):

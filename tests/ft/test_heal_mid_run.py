@@ -75,7 +75,7 @@ def test_a_replica_stopped_until_the_others_finished_stops_in_one_line_instead_o
     started = [replicas.start(0, *ARGS), replicas.start(1, *ARGS, *own)]
     replicas.wait_for(lambda: min(replicas.position(i) for i in started) >= 20, STARTUP + 60)
     if own:
-        replicas.wait_for(lambda: _state(replicas.process(started[1]).pid) == 'T', 10)
+        replicas.wait_for(lambda: _state(replicas.process(started[1]).pid) == 'T', 10, starting=[started[1]])
     else:
         os.kill(replicas.process(started[1]).pid, signal.SIGSTOP)
     replicas.wait_for(lambda: replicas.done(started[0]), STARTUP + 120)
