@@ -17,6 +17,8 @@ and SIGTERM (where they are not ignored), and puts back the handlers it found wh
   :class:`Interrupted` (SIGINT: also a ``KeyboardInterrupt``): the program's ``finally`` blocks and ``except
   KeyboardInterrupt`` run; when the program ends, the process ends at once with status 128 + the signal's
   number, no traceback (uncaught, a :class:`SystemExit`), before Python would wait for torchft's threads;
+  where Python drops it (the signal landed in a ``__del__``, a weakref or GC callback: Python would print a
+  traceback and go on), the helper signals the main thread again, and it is raised at its next instruction;
 - if the process has not ended :data:`GRACE` seconds after the signal (swallowed, stuck in native code), the
   helper writes the line (once) and ends it with that status.
 
@@ -24,6 +26,7 @@ A second SIGINT or SIGTERM during the grace ends the process at once. The status
 a process the signal killed (130, 143), whichever way it ends; the helper's end skips exit handlers.
 """
 import atexit
+import functools
 import logging
 import os
 import select
@@ -43,6 +46,8 @@ from torchbearer_dist.runtime._timing import Timing
 
 #: Seconds after a signal by which the replica has ended: its main thread's unwinding, or the helper's end.
 GRACE = Timing.REPLICA_STOP_GRACE
+#: Seconds between the helper's looks, during the grace, at whether the main thread dropped its stop.
+DROPPED_POLL = 0.005
 #: The signals that end a replica.
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: torchft's Python loggers, silenced once a replica is ending.
@@ -160,6 +165,7 @@ class SignalStop:
         self.replica_id, self._where = replica_id, where
         self.signum, self.line = None, None  # the first signal taken, and its line
         self._lock, self._written, self._open = threading.Lock(), False, False
+        self._chained, self._dropped, self._echoes = False, False, 0  # see _handle, _unraisable and _watch
         self._handler = self._handle  # one bound method: the one installed, compared at close
         self._previous, self._fds, self._previous_fd = {}, None, None
         if threading.current_thread() is not threading.main_thread():
@@ -212,7 +218,8 @@ class SignalStop:
             os.kill(os.getpid(), signum)
             return
         self._take(signum)
-        if callable(previous) and previous is not signal.default_int_handler:
+        chained, self._chained = self._chained, True  # once: a stop raised again (see _unraisable) is not a signal
+        if not chained and callable(previous) and previous is not signal.default_int_handler:
             try:
                 previous(signum, frame)  # the program's own: its flag, its requeue
             except BaseException:  # e.g. watch_preemption's Preempted: this replica's stop says more
@@ -237,11 +244,20 @@ class SignalStop:
         for name in LOGGERS:  # what torchft's threads log of the stop (a step error, a heal cut short)
             logging.getLogger(name).setLevel(logging.CRITICAL + 1)
         warnings.simplefilter('ignore')  # torch's, from torchft's thread (a heal's buffer)
+        sys.unraisablehook = functools.partial(self._unraisable, sys.unraisablehook)
         try:  # called before Python joins its threads at exit: torchft's quorum thread may be in a Rust call
             threading._register_atexit(self._at_exit)
         except (AttributeError, RuntimeError):  # another Python; or the program's end has begun: the helper ends it
             atexit.register(self._at_exit)
         return True
+
+    def _unraisable(self, hook, unraisable):
+        """A stop raised where Python drops what is raised and prints it (a ``__del__``, a weakref or GC callback:
+        the signal landed there) is raised again, without that traceback: the helper signals the main thread again
+        once this call has returned (see _watch). Anything else goes to ``hook``, the one this replaced."""
+        if not isinstance(unraisable.exc_value, Stopped) or self.signum is None:
+            return hook(unraisable)
+        self._dropped = True  # the last instruction: no signal or other thread runs before this call returns
 
     def _write(self, flush=True):
         """The line, once, after what the program wrote before it."""
@@ -276,12 +292,17 @@ class SignalStop:
         the end of the process at the grace's end, or at a second one."""
         deadline = None
         while True:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = None if deadline is None else max(0.0, min(deadline - time.monotonic(), DROPPED_POLL))
             try:
                 ready = select.select([read_fd], [], [], wait)[0]
                 data = os.read(read_fd, 64) if ready else None
             except OSError:
                 data = b''
+            if self._dropped:  # the main thread dropped its stop (see _unraisable): it takes it again
+                self._dropped, self._echoes = False, self._echoes + 1  # that signal is no second one
+                signal.pthread_kill(threading.main_thread().ident, self.signum)
+            if data is None and time.monotonic() < deadline:
+                continue
             if data is None:  # the grace is over: the main thread did not end the process
                 self._end()
             if not data:  # closed: the run ended, or this thread is all that is left of a stop
@@ -290,8 +311,10 @@ class SignalStop:
                     return
                 time.sleep(max(0.0, deadline - time.monotonic()))
                 self._end()
+            for signum in [s for s in data if s in SIGNALS][:self._echoes]:  # the signals this thread sent
+                data, self._echoes = data.replace(bytes([signum]), b'', 1), self._echoes - 1
             previous = self._previous_fd
-            if previous is not None and previous >= 0:
+            if data and previous is not None and previous >= 0:
                 try:
                     os.write(previous, data)  # the wakeup fd this one replaced (watch_interrupts', asyncio's)
                 except OSError:
