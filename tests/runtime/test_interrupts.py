@@ -210,6 +210,34 @@ def test_watch_preemption_calls_the_handler_it_replaced_and_gives_it_back():
         signal.signal(signal.SIGUSR2, previous)
 
 
+EXITING = r"""
+import atexit, sys, time
+import torchbearer_dist as tbd
+tbd.watch_preemption()
+atexit.register(lambda: (print('exiting', flush=True), time.sleep(60)))  # a slow teardown (torch's, gloo's)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('status', [0, 3])
+def test_a_preemption_signal_while_the_program_exits_acts_as_without_the_watch(status):
+    """torchrun sends SIGTERM to the ranks still running when one exits: one already in its exit handlers is
+    ended by it, as without watch_preemption (was: a Preempted traceback from its atexit callback, and the
+    teardown went on), whatever status it was exiting with."""
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, '-c', EXITING, str(status)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline() == 'exiting\n'
+        os.kill(process.pid, signal.SIGTERM)
+        process.stdout.close()
+        assert (process.wait(90), process.stderr.read()) == (-signal.SIGTERM, '')
+    finally:
+        _kill_all([process])
+
+
 def test_quiet_peer_failures_is_opt_in_and_undone():
     import sys
 

@@ -113,6 +113,11 @@ def _preemption_handler(signum, frame):
     previous = _preemption['previous'].get(signum)
     if callable(previous):  # the program's own handler (submitit's, Lightning's) runs too; SIG_DFL, SIG_IGN are not
         previous(signum, frame)
+    if not threading.main_thread().is_alive():  # the program has ended and runs its exit handlers (torchrun's
+        if previous in (signal.SIG_DFL, None):  # SIGTERM to a rank that exits): as before watch_preemption, no
+            signal.signal(signum, signal.SIG_DFL)  # Preempted traceback from an atexit callback
+            os.kill(os.getpid(), signum)
+        return
     if not _preemption['training']:  # nothing training that could stop at a step boundary: stop now
         raise Preempted('pre-empted by {} outside training; resumable from the last checkpoint'.format(
             signal.Signals(signum).name))
@@ -127,7 +132,8 @@ def watch_preemption(signals=(signal.SIGTERM, signal.SIGUSR1), requeue=None):
     callback trains: every rank agrees to stop at the next step boundary (through the stop agreement of
     :class:`~torchbearer_dist.AgreeOnStop`, no extra collective per step), global rank 0 writes a step
     checkpoint, and ``trial.run`` raises :class:`Preempted` on every rank: the process ends with status
-    :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once.
+    :data:`EXIT_PREEMPTED` (75). Outside training the handler raises :class:`Preempted` at once; once the
+    program has ended (its exit handlers running) the signal does what it did without the watch.
 
     Opt-in for library use (:func:`~torchbearer_dist.launch`'s ranks and the examples turn it on). The
     handler calls the one it replaced first, where that is a function, and :func:`unwatch_preemption` puts
