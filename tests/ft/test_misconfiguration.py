@@ -1,9 +1,10 @@
 """A replica started with another configuration than the replicas training is refused in one line, on it alone.
 
 Real replica processes (tests/ft/_replica.py) on loopback, a torchft lighthouse in this process. The healthy
-replica trains 3 epochs of 60 steps; the misconfigured one starts once it trains, heals at its first quorum,
-and is refused there (before, it trained on: another shard count stalled every epoch end a full timeout and
-ended in different models at exit 0; a second live replica of one name counted its shard twice).
+replica trains 3 epochs of 60 steps (held at its 30th until the other asks for its first quorum); the
+misconfigured one starts once it trains, heals at its first quorum, and is refused there (before, it trained
+on: another shard count stalled every epoch end a full timeout and ended in different models at exit 0; a
+second live replica of one name counted its shard twice).
 """
 import time
 
@@ -14,6 +15,19 @@ from _dist import LOAD_SLACK, STARTUP
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
 HEALTHY = ('--epochs', '3', '--samples', '1200', '--sleep', '0.1', '--timeout', '5')
+
+
+def gated(replicas):
+    """Options that hold a healthy replica at its 30th step until :func:`release` (it would otherwise finish its
+    180 steps on a loaded machine before the misconfigured one has started, which then trains alone)."""
+    return ('--gate', str(replicas.tmp_path / 'gate'), '--gate-step', '30')
+
+
+def release(replicas, joiner):
+    """Once ``joiner`` asks for its first quorum (READY), let the healthy replicas go on into it."""
+    replicas.wait_for(lambda: 'READY' in replicas.out(joiner), STARTUP + 60)
+    (replicas.tmp_path / 'gate').touch()
+    return time.monotonic()
 
 
 @pytest.mark.timeout(240)
@@ -32,11 +46,10 @@ HEALTHY = ('--epochs', '3', '--samples', '1200', '--sleep', '0.1', '--timeout', 
                              'still runs?) or pass another replica_id'),
 ], ids=['shards', 'batch-size', 'local-steps', 'replica-id'])
 def test_a_misconfigured_replica_is_refused_in_one_line_and_the_training_one_goes_on(replicas, replica, theirs, line):
-    healthy = replicas.start(0, '--replicas', '2', *HEALTHY)
+    healthy = replicas.start(0, '--replicas', '2', *HEALTHY, *gated(replicas))
     replicas.wait_for(lambda: replicas.steps(healthy) >= 10, STARTUP + 60)
     other = replicas.start(replica, *theirs, *HEALTHY)
-    replicas.wait_for(lambda: 'READY' in replicas.out(other), STARTUP + 60)
-    ready = time.monotonic()
+    ready = release(replicas, other)
     assert replicas.process(other).wait(10 + LOAD_SLACK) == 1, replicas.describe()
     assert time.monotonic() - ready < 10 + LOAD_SLACK  # named within 10 s of its first quorum
     assert replicas.err(other).strip().splitlines()[-1] == line, replicas.describe()
@@ -51,10 +64,10 @@ def test_a_misconfigured_replica_is_refused_in_one_line_and_the_training_one_goe
 def test_a_second_replica_of_a_taken_name_is_refused_whichever_replica_it_heals_from(replicas):
     # r0 and r1 train; a second r1 starts and heals from either (today's payload check saw only a healer of its
     # name): the vote at its first quorum sees two rows of one name, and refuses the one that has not trained.
-    first = [replicas.start(r, '--replicas', '2', *HEALTHY) for r in range(2)]
+    first = [replicas.start(r, '--replicas', '2', *HEALTHY, *gated(replicas)) for r in range(2)]
     replicas.wait_for(lambda: min(replicas.steps(i) for i in first) >= 10, STARTUP + 60)
     twin = replicas.start(1, '--replicas', '2', *HEALTHY)
-    replicas.wait_for(lambda: 'READY' in replicas.out(twin), STARTUP + 60)
+    release(replicas, twin)
     assert replicas.process(twin).wait(10 + LOAD_SLACK) == 1, replicas.describe()
     assert replicas.err(twin).strip().splitlines()[-1] == (
         "error: this replica cannot join: its replica_id 'r1' is the name of another live replica, which trains; stop "
