@@ -178,6 +178,30 @@ def stop_in_quorum(count):
     torchft.Manager.start_quorum = start_quorum
 
 
+def signal_in_callback(count, signum):
+    """From its ``count``-th collective on, send itself ``signum`` from inside a callback of torchft's future chain
+    run by the main thread (once): torchft turns what the handler raises there into the step's error."""
+    import threading
+
+    from torchbearer_dist.sync import group
+    original, calls, sent = group._QuorumWork.wait, [], []
+
+    def callback(fut):
+        if threading.current_thread() is threading.main_thread() and not sent:
+            sent.append(1)
+            say('SIGNALLED', time.time())
+            os.kill(os.getpid(), signum)
+            time.sleep(1)  # the handler runs here
+        return fut.value()
+
+    def wait(self):
+        calls.append(1)
+        if len(calls) >= count and not sent:
+            self.work.get_future().then(callback)
+        return original(self)
+    group._QuorumWork.wait = wait
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--lighthouse', type=str, required=True)
@@ -191,6 +215,8 @@ def main():
     parser.add_argument('--gate', type=str, help='a file to wait for at the --gate-step-th step of this process')
     parser.add_argument('--gate-step', type=int, default=0)
     parser.add_argument('--stop-in-quorum', type=int, default=None, help='SIGSTOP itself in its N-th quorum call')
+    parser.add_argument('--sigterm-in-callback', type=int, default=None,
+                        help="SIGTERM itself inside torchft's future callbacks from its N-th collective on")
     parser.add_argument('--checkpoint', type=str, help="this replica's checkpoint file (Checkpoint, every epoch)")
     parser.add_argument('--min-replicas', type=int, default=1)
     parser.add_argument('--record', type=str, help="save what the user's callbacks saw here (torch.save)")
@@ -251,6 +277,8 @@ def train(args, group_size=1, rank=0):
     ready_at_the_first_quorum()
     if args.stop_in_quorum:
         stop_in_quorum(args.stop_in_quorum)
+    if args.sigterm_in_callback:
+        signal_in_callback(args.sigterm_in_callback, signal.SIGTERM)
     history = trial.run(args.epochs, verbose=0)
     if args.then_epochs:
         history = trial.run(args.then_epochs, verbose=0)

@@ -173,6 +173,29 @@ def test_a_replica_stuck_with_a_frozen_peer_still_ends_at_once(tmp_path):
             replicas.kill_all()
 
 
+@pytest.mark.timeout(240)
+def test_a_signal_that_torchft_swallowed_in_a_future_callback_ends_the_replica_at_once_in_its_one_line(replicas):
+    # The signal handled inside a callback of torchft's future chain, in the main thread: torchft turns the stop
+    # into the step's error. The step it failed raises it again (before: a "dropped the step ... Stopped: ..."
+    # line after the stop's, and the process ended by the helper at the grace's end, its finally blocks skipped).
+    args = ('--replicas', '2', '--epochs', '1000', '--sleep', '0.05', '--timeout', '10')
+    other = replicas.start(0, *args)
+    victim = replicas.start(1, *args, '--sigterm-in-callback', '20')
+    try:
+        code = replicas.process(victim).wait(STARTUP + 60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(replicas.describe()) from None
+    ended = time.time()
+    signalled = [float(line.split()[1]) for line in replicas.out(victim).splitlines() if line.startswith('SIGNALLED')]
+    assert code == 128 + signal.SIGTERM and len(signalled) == 1, replicas.describe()
+    lines = replicas.err(victim).strip().splitlines()
+    assert re.fullmatch(r'torchbearer_dist: replica r1 stopped by SIGTERM {}; {}'.format(
+        WHERE, re.escape(NO_CHECKPOINT)), lines[-1]), replicas.describe()
+    assert not any('dropped the step' in line for line in lines), replicas.describe()
+    assert ended - signalled[0] < _signals.GRACE - 0.2, (ended - signalled[0], replicas.describe())  # not the helper's
+    assert replicas.process(other).poll() is None, replicas.describe()  # the other trains on
+
+
 # --- the line tells the truth -------------------------------------------------------------------------------------
 
 def _last_step(replicas, i):

@@ -19,6 +19,8 @@ and SIGTERM (where they are not ignored), and puts back the handlers it found wh
   number, no traceback (uncaught, a :class:`SystemExit`), before Python would wait for torchft's threads;
   where Python drops it (the signal landed in a ``__del__``, a weakref or GC callback: Python would print a
   traceback and go on), the helper signals the main thread again, and it is raised at its next instruction;
+- where torchft swallowed it, the step it failed raises it again in the main thread (see
+  :meth:`SignalStop.raise_taken`), and no other line is said after it;
 - if the process has not ended :data:`GRACE` seconds after the signal (swallowed, stuck in native code), the
   helper writes the line (once) and ends it with that status.
 
@@ -224,6 +226,17 @@ class SignalStop:
                 previous(signum, frame)  # the program's own: its flag, its requeue
             except BaseException:  # e.g. watch_preemption's Preempted: this replica's stop says more
                 pass
+        self.raise_taken()
+
+    def raise_taken(self):
+        """Raise the stop of the signal taken, if there was one: where torchft swallowed it (a future's callback
+        turned it into the step's error), the main thread raises it again as it sees that error.
+
+        Raises:
+            Stopped: (:class:`Interrupted` for SIGINT) after the line is written, once
+        """
+        if self.signum is None:
+            return
         self._write()
         raise (Interrupted if self.signum == signal.SIGINT else Stopped)(self.line, self.signum)
 

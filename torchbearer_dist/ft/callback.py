@@ -401,6 +401,8 @@ class FaultTolerantAllReduce(Callback):
     def _say(self, line):
         """One event line per replica: said by rank 0 of a replica group, whose ranks decide every step, heal and
         comparison alike (k copies of each line before)."""
+        if self._signals is not None and self._signals.signum is not None:
+            return  # this replica is stopping: its stop's line is its last
         if self._local is None or self._local.rank() == 0:
             _events.say(line)
 
@@ -414,6 +416,8 @@ class FaultTolerantAllReduce(Callback):
 
     def _dropped(self, what):
         """One line: this step (or meeting) was not committed on any replica, and why (torchft's first line)."""
+        if self._signals is not None:  # a signal torchft swallowed (a future's callback) failed it: stop now
+            self._signals.raise_taken()
         state, error = self._state(), self.replica.manager.errored()
         why = 'another replica failed it, or too few replicas were live' if error is None else \
             str(getattr(error, 'original_exception', error)).strip()
