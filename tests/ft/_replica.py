@@ -279,7 +279,11 @@ def train(args, group_size=1, rank=0):
         stop_in_quorum(args.stop_in_quorum)
     if args.sigterm_in_callback:
         signal_in_callback(args.sigterm_in_callback, signal.SIGTERM)
-    history = trial.run(args.epochs, verbose=0)
+    try:
+        history = trial.run(args.epochs, verbose=0)
+    finally:  # the main thread unwound (the helper's end at the grace skips this)
+        if args.sigterm_in_callback:
+            say('UNWOUND')
     if args.then_epochs:
         history = trial.run(args.then_epochs, verbose=0)
     evaluated = evaluate(trial, args, group_size, rank) if args.evaluate else {}

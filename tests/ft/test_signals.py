@@ -185,14 +185,13 @@ def test_a_signal_that_torchft_swallowed_in_a_future_callback_ends_the_replica_a
         code = replicas.process(victim).wait(STARTUP + 60)
     except subprocess.TimeoutExpired:
         raise AssertionError(replicas.describe()) from None
-    ended = time.time()
     signalled = [float(line.split()[1]) for line in replicas.out(victim).splitlines() if line.startswith('SIGNALLED')]
     assert code == 128 + signal.SIGTERM and len(signalled) == 1, replicas.describe()
     lines = replicas.err(victim).strip().splitlines()
     assert re.fullmatch(r'torchbearer_dist: replica r1 stopped by SIGTERM {}; {}'.format(
         WHERE, re.escape(NO_CHECKPOINT)), lines[-1]), replicas.describe()
     assert not any('dropped the step' in line for line in lines), replicas.describe()
-    assert ended - signalled[0] < _signals.GRACE - 0.2, (ended - signalled[0], replicas.describe())  # not the helper's
+    assert 'UNWOUND' in replicas.out(victim), replicas.describe()  # the main thread raised it, not the helper's end
     assert replicas.process(other).poll() is None, replicas.describe()  # the other trains on
 
 
