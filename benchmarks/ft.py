@@ -52,8 +52,32 @@ def _worker(args):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     class Clock(Callback):
+        """Each step's time (T lines); at the end, the median of its phases: from on_sample to the end of forward
+        (the ft mode's quorum is taken in on_sample, or behind forward), backward (the buckets' waits), the update
+        (the commit, the optimizer)."""
+        phases = {'forward': [], 'backward': [], 'update': []}
+
+        def _mark(self, name):
+            now = time.perf_counter()
+            self.phases[name].append(now - self._last)
+            self._last = now
+
+        def on_sample(self, state):
+            self._last = time.perf_counter()
+
+        def on_forward(self, state):
+            self._mark('forward')
+
+        def on_backward(self, state):
+            self._mark('backward')
+
         def on_step_training(self, state):
+            self._mark('update')
             print('T {:.4f} {} {}'.format(time.time(), state[torchbearer.EPOCH], state[torchbearer.BATCH]), flush=True)
+
+        def on_end(self, state):
+            print('PHASES', ' '.join('{}={:.3f}'.format(k, 1000 * statistics.median(v[5:]))
+                                     for k, v in self.phases.items() if len(v) > 5), flush=True)
 
     def run(callbacks):
         loader = DataLoader(dataset, batch_size=args.batch, sampler=DistributedSampler(
@@ -170,6 +194,10 @@ def cost(opts):
                     value = _median_of(outs, name)
                     if value is not None:
                         rows[-1][what] = value
+                phases = [dict(item.split('=') for item in line.split()[1:]) for out in outs
+                          for line in out.splitlines() if line.startswith('PHASES ')]
+                for name in phases[0] if phases else ():  # the workers' median phase times, their median
+                    rows[-1]['{}_ms'.format(name)] = round(statistics.median(float(p[name]) for p in phases), 2)
                 print(rows[-1], flush=True)
     result = {'link': opts.link or 'loopback', 'model': opts.model, 'modes': modes, 'rows': rows}
     for mode in modes:

@@ -84,11 +84,17 @@ def step():
     events, monkeypatch = [], pytest.MonkeyPatch()
 
     class Replica:
-        def __init__(self, *args, group=None):
+        def __init__(self, *args, group=None, deferred=False):
             self.manager = _Manager(events)
 
-        def start_quorum(self, shrink_only=False, heal=True):
+        def start_quorum(self, shrink_only=False, heal=True, wait=True):
             events.append(('quorum',))
+
+        def finish_quorum(self, heal=False):
+            pass
+
+        def members(self):
+            return 0, 1
 
         def should_commit(self):
             return self.manager.should_commit()
@@ -131,3 +137,52 @@ def test_every_gradient_is_the_average_a_missing_one_counted_as_zeros(step):
         else:
             torch.testing.assert_close(seen[name], (grad + 1) / 2)
     assert local['unused.weight'] is None
+
+
+def test_a_steps_quorum_is_asked_for_before_forward_and_taken_before_its_first_bucket_travels():
+    # torchft's asynchronous quorum: the run's first quorum is waited for at its start (it may heal), every later
+    # step's forms while forward runs and is taken (its vote, where new) before the step's first all-reduce.
+    events, monkeypatch = [], pytest.MonkeyPatch()
+
+    class Alone(_Manager):  # nobody else: every all-reduce leaves the tensor as it is (no stop asked)
+        def allreduce(self, tensor, reduce_op):
+            self.events.append(('send', tensor.numel()))
+            return _Work(self.events, tensor, False)
+
+    class Replica:
+        def __init__(self, *args, group=None, deferred=False):
+            self.manager, self.deferred = Alone(events), deferred
+
+        def start_quorum(self, shrink_only=False, heal=True, wait=True):
+            events.append(('ask', wait))
+
+        def finish_quorum(self, heal=False):
+            events.append(('take',))
+
+        def members(self):
+            return 0, 1
+
+        def should_commit(self):
+            return True
+
+        def shutdown(self):
+            pass
+
+    class Forward(Callback):
+        def on_forward(self, state):
+            events.append(('forward',))
+
+    monkeypatch.setattr(ft_callback, 'Replica', Replica)
+    torch.manual_seed(0)
+    x, net = torch.randn(8, 16), _Net()
+    trial = Trial(net, torch.optim.SGD(net.parameters(), lr=0.1), _loss,
+                  callbacks=[Forward(), FaultTolerantAllReduce('127.0.0.1:1', replica_id='r0')])
+    try:
+        trial.with_generators(DataLoader(TensorDataset(x, torch.zeros(8)), batch_size=4)).run(1, verbose=0)
+    finally:
+        monkeypatch.undo()
+    marks = [e[0] for e in events if e[0] in ('ask', 'take', 'forward', 'send')]
+    marks = [m for i, m in enumerate(marks) if m != 'send' or marks[i - 1] != 'send']  # a step's first send
+    asks = [e[1] for e in events if e[0] == 'ask']
+    assert asks == [True, False] and marks == ['ask', 'take', 'forward', 'send',  # the run's start: waited for
+                                               "ask", "forward", "take", "send"], (asks, marks)

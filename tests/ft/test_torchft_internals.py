@@ -67,3 +67,42 @@ def test_the_quorum_id_is_read_where_torchft_keeps_it_and_stays_while_the_member
                 'Manager._quorum_id no longer holds the last quorum\'s id: update _torchft.quorum_id')
         finally:
             replica.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_heal_staged_by_a_deferred_quorum_loads_at_once_and_every_replica_has_its_place_in_the_group():
+    # Replica a trains two steps alone; b joins: its quorum stages a's state, load_heal loads it before b's
+    # start_quorum returns; b counts for nothing in that step, but votes at its own rank of the quorum's group.
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0) as lighthouse:
+        url = 'http://127.0.0.1:' + lighthouse.address.rsplit(':', 1)[1]
+        loaded, replicas = [], []
+        try:
+            a = Replica(url, 'a', lambda payload: None, lambda: {'from': 'a'}, timeout=10.0, host='127.0.0.1',
+                        deferred=True)
+            replicas.append(a)
+            for _ in range(2):
+                a.start_quorum(wait=False)
+                a.finish_quorum()
+                assert a.should_commit()
+            b = Replica(url, 'b', loaded.append, lambda: {'from': 'b'}, timeout=10.0, host='127.0.0.1', deferred=True)
+            replicas.append(b)
+
+            def train_until_joined():  # the lighthouse may form a's next quorum before b asks: a asks again
+                for _ in range(100):
+                    a.start_quorum(wait=False)
+                    a.finish_quorum()
+                    if a.members()[1] == 2:
+                        return
+                    a.should_commit()
+            healer = threading.Thread(target=train_until_joined)
+            healer.start()
+            b.start_quorum()
+            healer.join(30)
+            assert loaded == [{'from': 'a'}], (
+                'Manager._healing / _apply_pending_state_dict no longer load a staged heal: update _torchft.load_heal')
+            assert not b.manager.is_participating() and a.manager.num_participants() == 1
+            assert sorted([a.members(), b.members()]) == [(0, 2), (1, 2)], (
+                'ProcessGroupWrapper._rank or _pg no longer hold the quorum\'s group: update _torchft.members')
+        finally:
+            for replica in replicas:
+                replica.shutdown()

@@ -14,6 +14,12 @@ tests/ft/test_torchft_internals.py fails if one of them moves:
 - :func:`quorum_id`: ``Manager._quorum_id``, the lighthouse's number of the last quorum this replica joined (it
   changes with the quorum's membership): the replicas of a new one compare their configurations once
   (:mod:`~torchbearer_dist.ft._vote`); torchft has no public accessor for it.
+- :func:`load_heal`: ``Manager._healing`` and ``Manager._apply_pending_state_dict``: a heal that an asynchronous
+  quorum staged, loaded at once, as torchft's synchronous ``start_quorum`` does (else it waits for
+  ``should_commit``), so that a replica joining at the start of its run begins at its healer's position.
+- :func:`members`: the rank that torchft's ``ProcessGroupWrapper`` holds for the quorum (``_rank``; its ``rank()``
+  is its base class's 0) and whether it holds a group (``_pg``): this replica's place among every replica of the
+  quorum, those that heal in it too.
 """
 import concurrent.futures
 
@@ -44,3 +50,22 @@ def wake_quorum_wait(manager):
 def quorum_id(manager):
     """The id of the last quorum ``manager`` joined (the same on every replica of it; new when its membership is)."""
     return manager._quorum_id
+
+
+def load_heal(manager):
+    """Load now the heal ``manager``'s last quorum staged (its load function runs here); True where it did. The
+    replica still counts for nothing in that quorum's step, as torchft decided when the quorum formed."""
+    if not manager._healing:
+        return False
+    manager._apply_pending_state_dict()
+    manager._healing = False
+    return True
+
+
+def members(group):
+    """``(rank, size)`` of this replica in the process group of its Manager's quorum (a
+    ``torchft.ProcessGroupWrapper``); ``(None, 0)`` where it holds none (its configuration for the quorum failed:
+    torchft then fails the step)."""
+    if group._pg is None:
+        return None, 0
+    return group._rank, group.size()

@@ -39,13 +39,15 @@ class FaultTolerantAllReduce(Callback):
     Each process is a torchft replica group of one, or, inside a process group (torchrun, ``launch()``, srun on a
     node), one rank of the replica group that its process group's ranks form: they average among themselves and
     with the same rank of the other groups (:class:`~torchbearer_dist.sync.group.HierarchicalGroup`), and are lost
-    and healed together. At every step it joins the lighthouse's quorum of live replicas, averages its gradients
+    and healed together. At every step it joins the lighthouse's quorum of live replicas (asked for as the step
+    begins, taken at its first gradient bucket: torchft's asynchronous quorum, behind forward), averages its gradients
     over them (in buckets sent while backward runs, as the fail-fast mode's, and
     done before ``backward()`` returns, so every ``on_backward`` callback sees the average) and steps every
     optimizer the Trial holds only if torchft commits the step: a step during which a replica was lost is
     dropped on every survivor, who go on among themselves. A replica that starts while others train heals at
     the start of ``run()`` from a healthy one (every model and optimizer the Trial holds, the callbacks'
-    states, the history, the position in the epoch) and trains the healer's next batch beside it. At the first
+    states, the history, the position in the epoch) and trains the healer's next batch beside it, counting for
+    nothing in that first step (it sends zeros and takes the others' average, as torchft decides). At the first
     step every replica takes the first one's weights (torchft's ``init_sync``). A replica healed in the middle
     of its run (paused past the lighthouse's heartbeat, or its healer lost during a heal) ends its step with the
     others, then its ``run()`` ends and begins again at the healer's position (``restarts`` counts these). A
@@ -139,6 +141,7 @@ class FaultTolerantAllReduce(Callback):
         self._open = self._in_step = self._meets = self._passing = self._evaluating = False
         self._joining = False  # in the quorum of a pass's start (see meet)
         self._commit, self._gated = None, []
+        self._asking = None  # a quorum asked for and not yet taken (see _start_quorum)
         self._buckets = None  # the gradient buckets (GradientBuckets over the live replicas), with every_step
 
     # --- the run: a replica per run(), its quorum at every step ----------------------------------------
@@ -168,8 +171,10 @@ class FaultTolerantAllReduce(Callback):
         self._signals = _signals.SignalStop(replica_id, lambda: (self._state and self._state(), self._passing))
         try:
             # a pass outside run() waits for the replicas that ended the run itself, and goes on with fewer (_join_pass)
+            # A training run's steps take their quorum behind forward (torchft's asynchronous quorum)
             self.replica = Replica(self.lighthouse, replica_id, self._load, self._save,
-                                   1 if passing else self.min_replicas, self.timeout, self.host, group=self._local)
+                                   1 if passing else self.min_replicas, self.timeout, self.host, group=self._local,
+                                   deferred=self.every_step and not passing)
         except BaseException:  # no lighthouse, say: the signal handlers found at the start go back
             self._release()
             raise
@@ -239,32 +244,60 @@ class FaultTolerantAllReduce(Callback):
                             'finished or were lost meanwhile; it stops rather than train the whole run again alone '
                             '(start every replica anew for a new run, or resume from a checkpoint)'.format(how))
 
-    def _start_quorum(self, shrink_only=False, heal=True):
-        stopped, heals = self._clock.take(), self.heals
+    def _start_quorum(self, shrink_only=False, heal=True, defer=False):
+        """Ask for the next quorum and take it (:meth:`_take_quorum`); ``defer``: a training step's, taken at the
+        step's first use of its group (its first gradient bucket, say), so that it forms while forward runs."""
+        self._asking = (shrink_only, heal, self._clock.take(), self.heals)
+        self._ask(shrink_only, heal, wait=not defer)
+        if not defer:
+            self._take_quorum()
+
+    def _ask(self, shrink_only, heal, wait):
+        self._trained = self.replica.manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
+        self._refusal = None
+        try:
+            self.replica.start_quorum(shrink_only, heal=heal, wait=wait)
+        except _heal.Refused:
+            raise
+        except RuntimeError as e:
+            self._quorum_failed(e)
+
+    def _quorum_failed(self, error):
+        """No quorum: where this process was stopped inside the call, that stop is why."""
+        during = self._clock.take()
+        if not during:
+            raise error
+        raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) while it asked for a '
+                            'quorum, past the quorum\'s timeout, and the others went on without it; it stops rather '
+                            'than train on from where it was (restart it: it heals from the live replicas, or starts '
+                            'anew)'.format(during)) from None
+
+    def _take_quorum(self):
+        """The quorum asked for, taken: the vote of a new one (a new quorum without a replica refused), the checks
+        of a replica stopped meanwhile, the writer, a heal's lines. Nothing where none is in flight."""
+        asking, self._asking = self._asking, None
+        if asking is None:
+            return
+        shrink_only, heal, stopped, heals = asking
         manager = self.replica.manager
-        for _ in range(VOTES):
-            trained = manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
-            self._refusal = None
-            try:
-                self.replica.start_quorum(shrink_only, heal=heal)
-            except _heal.Refused:
-                raise
-            except RuntimeError:  # no quorum: where this process was stopped inside the call, that stop is why
-                during = self._clock.take()
-                if not during:
+        for attempt in range(VOTES):
+            if attempt:  # another replica refused: a new quorum without it
+                self._ask(shrink_only, heal, wait=True)
+            else:
+                try:
+                    self.replica.finish_quorum()
+                except _heal.Refused:
                     raise
-                raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) while it asked '
-                                    'for a quorum, past the quorum\'s timeout, and the others went on without it; it '
-                                    'stops rather than train on from where it was (restart it: it heals from the live '
-                                    'replicas, or starts anew)'.format(during)) from None
+                except RuntimeError as e:
+                    self._quorum_failed(e)
             stopped = max(stopped, self._clock.take())  # stopped inside the call, its quorum formed after
-            if not self._vote(trained):
+            if not self._vote(self._trained, heal):
                 break  # nobody refused: the quorum trains; else a new one, without the replica refused
         else:
             raise _heal.Refused('this replica found {} quorums in a row with a replica refused in it; restart it'
                                 .format(VOTES))
         count = manager.num_participants()
-        if stopped and self._peers > 1 and count == 1 and self.heals == heals:
+        if stopped and self._peers > 1 and count == 1 and self.heals == heals and self.replica.members()[1] == 1:
             raise _heal.Refused('this replica was stopped for {:.1f} s (SIGSTOP, a paused VM, swap) and finds no live '
                                 'replica since: the others finished or were lost meanwhile; it stops rather than '
                                 'train on alone from where it was (restart it to start anew)'.format(stopped))
@@ -274,12 +307,14 @@ class FaultTolerantAllReduce(Callback):
         for line in news:  # a heal's, once the vote let this replica in
             self._say(line)
 
-    def _vote(self, trained):
+    def _vote(self, trained, heal=True):
         """At a quorum of new membership, every replica's configuration through one all-reduce (see ``_vote``):
         this one refused raises its line; True where another was refused (every replica then takes a new quorum)."""
         manager = self.replica.manager
         quorum, refusal, self._refusal = _torchft.quorum_id(manager), self._refusal, None
-        count, rank = manager.num_participants(), manager.participating_rank()
+        # Every replica of the quorum votes, one that heals in a deferred quorum too (it counts for nothing there);
+        # in the quorum of a pass (heal=False) only those at its highest step (one behind refuses: see _join_pass)
+        rank, count = self.replica.members() if heal else (manager.participating_rank(), manager.num_participants())
         new, self._quorum = quorum != self._quorum, quorum  # every quorum's id, alone too: torchft's, tracked exactly
         if not new or rank is None or count == 1:  # nothing new to compare
             if refusal is not None:  # healed at a quorum already voted in (cannot be: a new replica is a new quorum)
@@ -288,8 +323,7 @@ class FaultTolerantAllReduce(Callback):
         state = self._state()
         model, optimizers = _heal.layouts(state)
         rows = _vote.table(count, rank, _vote.row(self._config(state), trained, model, optimizers))
-        manager.allreduce(rows, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if manager.errored() is not None:  # a replica lost meanwhile: this quorum's steps are dropped anyway
+        if not self.replica.vote_sum(rows):  # a replica lost meanwhile: this quorum's steps are dropped anyway
             self._quorum = None
             return refusal is not None  # a payload not loaded: a new quorum, where this replica heals again
         refused = _vote.decide(rows.tolist(), self.replica.replica_id)
@@ -335,13 +369,16 @@ class FaultTolerantAllReduce(Callback):
         if self._open:
             self._open = False
         else:  # the epoch's last step takes no new replica: healed there, it would have no batch left to go on from
-            self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS])
+            # Taken at the step's first collective (its first gradient bucket): the quorum forms while forward runs
+            self._start_quorum(shrink_only=state[torchbearer.BATCH] + 1 >= state[torchbearer.STEPS], defer=True)
 
     def on_backward(self, state):
         if self._in_step:
             self._buckets.complete()  # where torch could not queue the end of backward, or no backward synchronized
 
     def on_step_training(self, state):
+        if self.replica is not None:
+            self._take_quorum()  # a step that neither averaged nor stepped an optimizer
         self._in_step = False
         if self._buckets is not None:
             self._buckets.disarm()
@@ -411,7 +448,7 @@ class FaultTolerantAllReduce(Callback):
         the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``).
         ``trained`` (a DiLoCo meeting): whether this replica trained since the last meeting; those that did not
         (healed since) count for nothing (see ``QuorumGroup``). A group's ranks heal and train together."""
-        quorum = QuorumGroup(self.replica.manager, trained)
+        quorum = QuorumGroup(self.replica.manager, trained, ready=self._take_quorum)
         return quorum if self._local is None else HierarchicalGroup(self._local, quorum)
 
     def _dropped(self, what):
@@ -435,8 +472,13 @@ class FaultTolerantAllReduce(Callback):
             def step(closure=None, _original=original):
                 loss = closure() if closure is not None else None
                 if self._commit is None:
+                    self._take_quorum()
                     self._buckets.complete()
-                    self._commit = self.replica.should_commit()
+                    self._commit = self.replica.should_commit()  # loads a heal staged in a deferred quorum
+                    if self._refusal is not None:  # that heal's payload refused (see _load): leave now
+                        refusal = self._refusal
+                        self._release()
+                        raise _heal.Refused(refusal)
                     if not self._commit:
                         self._dropped('step')
                 if self._commit:

@@ -168,6 +168,9 @@ class Replica:
         group (DistGroup): the replica group's ranks, where it has several (None: this process alone). Its rank 0
             holds the group's store and the Manager's server, which talks to the lighthouse for the group; every
             rank's Manager averages with the same rank of the other groups
+        deferred (bool): quorums that :meth:`start_quorum` may leave in flight (torchft's asynchronous quorum),
+            every replica of a job alike: a replica that heals in a quorum counts for nothing in its step (it
+            sends zeros, the others average over the rest), the quorums of a training run with ``every_step``
 
     Raises:
         RuntimeError: torchft is missing, or no torchft lighthouse answers within ``timeout`` (something else there
@@ -175,10 +178,11 @@ class Replica:
     """
 
     def __init__(self, lighthouse, replica_id, load_state_dict, state_dict, min_replicas=1, timeout=60.0, host=None,
-                 group=None):
+                 group=None, deferred=False):
         torchft = require_torchft()
         self.lighthouse, self.replica_id = lighthouse, replica_id
-        self.timeout, self.min_replicas = timeout, min_replicas
+        self.timeout, self.min_replicas, self.deferred = timeout, min_replicas, deferred
+        self._asked = None  # the quorum in flight: (shrink_only, heal, when asked), until finish_quorum() took it
         self.manager, self._watch = None, None
         check_lighthouse(lighthouse, timeout)
         parsed = urlparse(lighthouse)
@@ -200,7 +204,7 @@ class Replica:
             self.group = torchft.ProcessGroupGloo(timeout=limit)
             self.manager = torchft.Manager(
                 pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
-                use_async_quorum=False, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
+                use_async_quorum=deferred, timeout=limit, quorum_timeout=QUORUM_TIMEOUTS * limit, connect_timeout=limit,
                 rank=rank, world_size=size, store_addr=address[0], store_port=address[1], lighthouse_addr=lighthouse,
                 replica_id=replica_id, hostname=self.host, checkpoint_transport=_transport(self.host, limit),
                 quorum_retries=QUORUM_RETRIES)
@@ -211,10 +215,12 @@ class Replica:
         self._failure, self._taken, self._in_quorum = None, threading.Event(), False
         self._watch = _watch.Watch(lighthouse, timeout, self._on_watch)
 
-    def start_quorum(self, shrink_only=False, heal=True):
+    def start_quorum(self, shrink_only=False, heal=True, wait=True):
         """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only;
         ``heal=False``: nothing healed nor sent, the replicas at the quorum's highest step take part (``evaluate()``
-        and ``predict()``, whose fresh Managers are all at step 0).
+        and ``predict()``, whose fresh Managers are all at step 0). ``wait=False`` (a ``deferred`` replica): the
+        quorum forms while this thread goes on; :meth:`finish_quorum` takes it, and torchft loads a heal staged in
+        it at ``should_commit()``.
 
         Raises:
             RuntimeError: the lighthouse was lost, or something else answers at its address (named, within
@@ -224,30 +230,86 @@ class Replica:
         .. warning:: A synchronization point with the lighthouse and the other live replicas.
         """
         self._raise_failure()
-        started = time.monotonic()
+        self._asked = (shrink_only, heal, time.monotonic())
+        self._ask(shrink_only, heal)
+        if wait:
+            self.finish_quorum(heal=True)
+
+    def _ask(self, shrink_only, heal):
+        deadline = self._asked[2] + QUORUM_TIMEOUTS * self.timeout
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        self._in_quorum = not self.deferred  # torchft's synchronous start waits for the quorum inside
+        try:
+            self.manager.start_quorum(allow_heal=heal, shrink_only=shrink_only, timeout=left)
+        except Exception as e:
+            self._quorum_failed(e, self._asked[2])
+        finally:
+            self._in_quorum = False
+
+    def finish_quorum(self, heal=False):
+        """Wait for the quorum in flight, and for one of at least ``min_replicas`` live replicas (taking new ones
+        meanwhile); ``heal``: a heal staged in it is loaded now (before the step's forward), not at
+        ``should_commit()``. Nothing where no quorum is in flight.
+
+        Raises:
+            RuntimeError: as :meth:`start_quorum`
+        """
+        if self._asked is None:
+            return
+        self._raise_failure()
+        shrink_only, heal_allowed, started = self._asked
+        self._asked = None
         deadline = started + QUORUM_TIMEOUTS * self.timeout
         self._in_quorum = True
         try:
             while True:  # the lighthouse's minimum may be lower than this replica's: its quorums come again
-                left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                self.manager.start_quorum(allow_heal=heal, shrink_only=shrink_only, timeout=left)
-                live = self.manager.num_participants()
+                live = self.manager.num_participants()  # waits for the quorum in flight
+                if heal:
+                    _torchft.load_heal(self.manager)
                 if live >= self.min_replicas:
                     break
                 if time.monotonic() >= deadline:
                     raise RuntimeError('{} live replica{} in the last quorum'.format(live, 's' * (live != 1)))
                 time.sleep(min(MIN_REPLICAS_POLL, max(deadline - time.monotonic(), 0)))
+                left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                self.manager.start_quorum(allow_heal=heal_allowed, shrink_only=shrink_only, timeout=left)
         except Exception as e:
-            if isinstance(e, Refused):
-                raise  # the heal's own one-line error (_heal.restore), raised on this replica only
-            self._raise_failure()
-            raise RuntimeError(self._no_quorum(started, e)) from None
+            self._quorum_failed(e, started)
         finally:
             self._in_quorum = False
         self._raise_failure()  # a verdict that came as the quorum ended: the same on every replica
         event = self._watch.observe(time.monotonic(), _watch.LIGHTHOUSE, 'a quorum')  # it formed one: it lives
         if event is not None:
             self._on_watch(event)
+
+    def _quorum_failed(self, error, started=None):
+        """Raise the line for a quorum that failed: the heal's own refusal as it is, else why no quorum came."""
+        if isinstance(error, Refused):
+            raise error  # the heal's own one-line error (_heal.restore), raised on this replica only
+        self._asked = None
+        self._raise_failure()
+        raise RuntimeError(self._no_quorum(time.monotonic() if started is None else started, error)) from None
+
+    def vote_sum(self, tensor):
+        """Sum ``tensor`` in place over every replica of the quorum, those that heal in it too (torchft's own
+        all-reduce leaves their values out of a deferred quorum's step): ``(rank, size)`` of this replica among
+        them come from :meth:`members`. False where it failed (torchft then drops the step).
+        """
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        try:
+            self.group.allreduce([tensor], options).wait()
+        except Exception as e:  # a replica lost meanwhile: torchft's error for the step, as its own all-reduce does
+            self.manager.report_error(e)
+            return False
+        return self.manager.errored() is None
+
+    def members(self):
+        """``(rank, size)``: this replica's place among every replica of the quorum, those that heal in it too;
+        ``(None, 0)`` where torchft could not set up the quorum's group (it fails the step)."""
+        return _torchft.members(self.group)
 
     def _raise_failure(self):
         if self._failure is not None:

@@ -230,6 +230,10 @@ class DistGroup:
 WORLD = DistGroup()
 
 
+def _nothing():
+    pass
+
+
 class QuorumGroup:
     """The live replicas of a torchft ``Manager``'s quorum: the fault-tolerant mode's group.
 
@@ -251,12 +255,14 @@ class QuorumGroup:
         manager (torchft.Manager): the replica's Manager
         trained (bool): None: every live replica contributes; else whether this one trained since the last
             meeting (a collective at construction, after ``start_quorum()``)
+        ready (callable): called before each use of the group, to take a quorum still in flight (see
+            :class:`~torchbearer_dist.ft.FaultTolerantAllReduce`)
 
     .. warning:: Every collective is a synchronization point of the live replicas.
     """
 
-    def __init__(self, manager, trained=None):
-        self.manager, self.trained = manager, trained
+    def __init__(self, manager, trained=None, ready=None):
+        self.manager, self.trained, self._ready = manager, trained, ready or _nothing
         self._trainers = self._head = None
         if trained is not None:
             flags = torch.zeros(manager.num_participants(), dtype=torch.float64)
@@ -267,14 +273,17 @@ class QuorumGroup:
 
     def size(self):
         """The replicas that count: the live ones at this step (with ``trained``: those that trained)."""
+        self._ready()
         return self.manager.num_participants() if self._trainers is None else self._trainers
 
     def alone(self):
         """Whether no other replica is live (then nothing needs to travel)."""
+        self._ready()
         return self.manager.num_participants() == 1
 
     def rank(self):
         """This replica's rank in the quorum (None: not in it)."""
+        self._ready()
         return self.manager.participating_rank()
 
     def device(self, like=None):
@@ -286,6 +295,7 @@ class QuorumGroup:
 
         .. warning:: A synchronization point of the live replicas.
         """
+        self._ready()
         _check_op(op)
         if self._trainers is None:  # torchft's AVG divides by the replicas live at this step
             return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=op))
@@ -299,6 +309,7 @@ class QuorumGroup:
 
         .. warning:: A synchronization point of the live replicas.
         """
+        self._ready()
         head = self.manager.participating_rank() == 0 if self._head is None else self._head
         if not head:
             tensor.zero_()
@@ -315,6 +326,7 @@ class QuorumGroup:
 
         .. warning:: A synchronization point of the live replicas.
         """
+        self._ready()
         if self._trainers is not None:
             raise ValueError('all_gather gathers every live replica, but this QuorumGroup counts only those that '
                              'trained (trained={!r}); gather over QuorumGroup(manager)'.format(self.trained))
