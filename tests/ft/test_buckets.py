@@ -87,10 +87,10 @@ def step():
         def __init__(self, *args, group=None, deferred=False):
             self.manager = _Manager(events)
 
-        def start_quorum(self, shrink_only=False, heal=True, wait=True):
+        def start_quorum(self, shrink_only=False, heal=True, wait=True, load=True):
             events.append(('quorum',))
 
-        def finish_quorum(self, heal=False):
+        def finish_quorum(self, load=False):
             pass
 
         def members(self):
@@ -153,10 +153,10 @@ def test_a_steps_quorum_is_asked_for_before_forward_and_taken_before_its_first_b
         def __init__(self, *args, group=None, deferred=False):
             self.manager, self.deferred = Alone(events), deferred
 
-        def start_quorum(self, shrink_only=False, heal=True, wait=True):
+        def start_quorum(self, shrink_only=False, heal=True, wait=True, load=True):
             events.append(('ask', wait))
 
-        def finish_quorum(self, heal=False):
+        def finish_quorum(self, load=False):
             events.append(('take',))
 
         def members(self):

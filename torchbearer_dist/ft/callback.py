@@ -255,8 +255,8 @@ class FaultTolerantAllReduce(Callback):
     def _ask(self, shrink_only, heal, wait):
         self._trained = self.replica.manager.current_step() > 0  # before this quorum: a heal moves it to the healer's
         self._refusal = None
-        try:
-            self.replica.start_quorum(shrink_only, heal=heal, wait=wait)
+        try:  # a heal inside a step is loaded at should_commit: its backward may still hold the weights
+            self.replica.start_quorum(shrink_only, heal=heal, wait=wait, load=not self._in_step)
         except _heal.Refused:
             raise
         except RuntimeError as e:

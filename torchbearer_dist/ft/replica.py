@@ -11,7 +11,7 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
-from torch.distributed import TCPStore
+from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
 from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
 from torchbearer_dist.ft._heal import Refused
@@ -215,12 +215,13 @@ class Replica:
         self._failure, self._taken, self._in_quorum = None, threading.Event(), False
         self._watch = _watch.Watch(lighthouse, timeout, self._on_watch)
 
-    def start_quorum(self, shrink_only=False, heal=True, wait=True):
+    def start_quorum(self, shrink_only=False, heal=True, wait=True, load=True):
         """Join the next quorum (healing here if behind); ``shrink_only``: of the last one's replicas only;
         ``heal=False``: nothing healed nor sent, the replicas at the quorum's highest step take part (``evaluate()``
         and ``predict()``, whose fresh Managers are all at step 0). ``wait=False`` (a ``deferred`` replica): the
         quorum forms while this thread goes on; :meth:`finish_quorum` takes it, and torchft loads a heal staged in
-        it at ``should_commit()``.
+        it at ``should_commit()``. ``load=False``: a heal staged in a quorum waited for here is loaded there too
+        (inside a step, whose backward may still hold the weights).
 
         Raises:
             RuntimeError: the lighthouse was lost, or something else answers at its address (named, within
@@ -233,7 +234,7 @@ class Replica:
         self._asked = (shrink_only, heal, time.monotonic())
         self._ask(shrink_only, heal)
         if wait:
-            self.finish_quorum(heal=True)
+            self.finish_quorum(load=load)
 
     def _ask(self, shrink_only, heal):
         deadline = self._asked[2] + QUORUM_TIMEOUTS * self.timeout
@@ -246,9 +247,9 @@ class Replica:
         finally:
             self._in_quorum = False
 
-    def finish_quorum(self, heal=False):
+    def finish_quorum(self, load=False):
         """Wait for the quorum in flight, and for one of at least ``min_replicas`` live replicas (taking new ones
-        meanwhile); ``heal``: a heal staged in it is loaded now (before the step's forward), not at
+        meanwhile); ``load``: a heal staged in it is loaded now (before the step's forward), not at
         ``should_commit()``. Nothing where no quorum is in flight.
 
         Raises:
@@ -264,7 +265,7 @@ class Replica:
         try:
             while True:  # the lighthouse's minimum may be lower than this replica's: its quorums come again
                 live = self.manager.num_participants()  # waits for the quorum in flight
-                if heal:
+                if load:
                     _torchft.load_heal(self.manager)
                 if live >= self.min_replicas:
                     break
@@ -295,8 +296,6 @@ class Replica:
         all-reduce leaves their values out of a deferred quorum's step): ``(rank, size)`` of this replica among
         them come from :meth:`members`. False where it failed (torchft then drops the step).
         """
-        from torch.distributed import AllreduceOptions, ReduceOp
-
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.SUM
         try:
