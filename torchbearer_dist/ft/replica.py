@@ -283,13 +283,14 @@ class Replica:
         if event is not None:
             self._on_watch(event)
 
-    def _quorum_failed(self, error, started=None):
-        """Raise the line for a quorum that failed: the heal's own refusal as it is, else why no quorum came."""
+    def _quorum_failed(self, error, started):
+        """Raise the line for a quorum asked for at ``started`` that failed: the heal's own refusal as it is, else
+        why no quorum came."""
         if isinstance(error, Refused):
             raise error  # the heal's own one-line error (_heal.restore), raised on this replica only
         self._asked = None
         self._raise_failure()
-        raise RuntimeError(self._no_quorum(time.monotonic() if started is None else started, error)) from None
+        raise RuntimeError(self._no_quorum(started, error)) from None
 
     def vote_sum(self, tensor):
         """Sum ``tensor`` in place over every replica of the quorum, those that heal in it too (torchft's own
