@@ -54,8 +54,10 @@ def _worker(args):
     class Clock(Callback):
         """Each step's time (T lines); at the end, the median of its phases: from on_sample to the end of forward
         (the ft mode's quorum is taken in on_sample, or behind forward), backward (the buckets' waits), the update
-        (the commit, the optimizer)."""
+        (the commit, the optimizer); and the CPU time of the whole process (every thread) per step after the
+        warm-up."""
         phases = {'forward': [], 'backward': [], 'update': []}
+        cpu = None
 
         def _mark(self, name):
             now = time.perf_counter()
@@ -64,6 +66,8 @@ def _worker(args):
 
         def on_sample(self, state):
             self._last = time.perf_counter()
+            if state[torchbearer.BATCH] == 5:  # the steps that _ms_per_step counts
+                self.cpu = (time.process_time(), 5)
 
         def on_forward(self, state):
             self._mark('forward')
@@ -73,11 +77,14 @@ def _worker(args):
 
         def on_step_training(self, state):
             self._mark('update')
+            self.steps = state[torchbearer.BATCH] + 1
             print('T {:.4f} {} {}'.format(time.time(), state[torchbearer.EPOCH], state[torchbearer.BATCH]), flush=True)
 
         def on_end(self, state):
-            print('PHASES', ' '.join('{}={:.3f}'.format(k, 1000 * statistics.median(v[5:]))
-                                     for k, v in self.phases.items() if len(v) > 5), flush=True)
+            medians = {k: 1000 * statistics.median(v[5:]) for k, v in self.phases.items() if len(v) > 5}
+            if self.cpu is not None and self.steps > self.cpu[1]:
+                medians['cpu'] = 1000 * (time.process_time() - self.cpu[0]) / (self.steps - self.cpu[1])
+            print('PHASES', ' '.join('{}={:.3f}'.format(k, v) for k, v in medians.items()), flush=True)
 
     def run(callbacks):
         loader = DataLoader(dataset, batch_size=args.batch, sampler=DistributedSampler(
@@ -183,8 +190,11 @@ def cost(opts):
                     if shared:  # the last run's replicas dropped by the lighthouse (heartbeat timeout 2 s)
                         time.sleep(3)
                     port = 29520 + len(rows) if shared else _free_port()  # rank 0's store, on host 0 with --link
+                    lighthouse_cpu = shared.lighthouse_cpu() if shared else None
                     procs = [_start(mode, r, opts, net.address, port, hosts=net.hosts) for r in range(opts.replicas)]
                     outs, errs = zip(*(p.communicate(timeout=1800) for p in procs))
+                    if shared and mode == 'ft':  # on the replicas' cores: a real one runs on a machine of its own
+                        lighthouse_cpu = shared.lighthouse_cpu() - lighthouse_cpu
                 if any(p.returncode for p in procs) or min(len(_times(out)) for out in outs) < 7:  # 5 skipped
                     raise RuntimeError('a {} run failed (exit codes {}):\n{}\n{}'.format(
                         mode, [p.returncode for p in procs], outs[0][-2000:], errs[0][-3000:]))
@@ -198,10 +208,15 @@ def cost(opts):
                           for line in out.splitlines() if line.startswith('PHASES ')]
                 for name in phases[0] if phases else ():  # the workers' median phase times, their median
                     rows[-1]['{}_ms'.format(name)] = round(statistics.median(float(p[name]) for p in phases), 2)
+                if shared and mode == 'ft':
+                    rows[-1]['lighthouse_cpu_ms'] = round(1000 * lighthouse_cpu / (opts.steps * opts.epochs), 3)
                 print(rows[-1], flush=True)
     result = {'link': opts.link or 'loopback', 'model': opts.model, 'modes': modes, 'rows': rows}
     for mode in modes:
         result['{}_ms'.format(mode)] = statistics.median(r['ms_per_step'] for r in rows if r['mode'] == mode)
+        cpu = [r['cpu_ms'] for r in rows if r['mode'] == mode and 'cpu_ms' in r]
+        if cpu:  # a worker process's CPU per step, every thread: on two cores, what one mode adds slows the other
+            result['{}_cpu_ms'.format(mode)] = statistics.median(cpu)
     by_repeat = {(r['repeat'], r['mode']): r['ms_per_step'] for r in rows}
     for mode, base in (('ft', 'sync'), ('ft', 'sync-flat'), ('sync-flat', 'sync')):
         if mode in modes and base in modes:  # the median of same-repeat ratios, and the ratio of the medians
@@ -377,11 +392,17 @@ class _Namespaces:
             self.server = subprocess.Popen(self.hosts.command(0, [
                 sys.executable, '-m', 'torchbearer_dist.ft', '--bind', '0.0.0.0:29510', '--heartbeat-timeout', '2',
                 '--min-replicas', str(self.min_replicas)]),
-                env=dict(os.environ, PYTHONPATH=ROOT, RUST_LOG='info'), start_new_session=True, stdout=log,
+                env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True, stdout=log,
                 stderr=subprocess.STDOUT)
         end = time.monotonic() + 60
         while _serving(path) == started and self.server.poll() is None and time.monotonic() < end:
             time.sleep(0.1)
+
+    def lighthouse_cpu(self):
+        """Seconds of CPU the lighthouse process has used (user and system, from /proc)."""
+        with open('/proc/{}/stat'.format(self.server.pid)) as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
     def restart_lighthouse(self, down):
         """Kill the lighthouse process, and start it again on the same address ``down`` seconds later (plus its
@@ -833,7 +854,7 @@ def main():
     add('--replica', type=int, default=0)
     add('--replicas', type=int, default=None)
     add('--model', type=str, default='cnn')
-    add('--steps', type=int, default=60, help='steps per epoch per replica')
+    add('--steps', type=int, default=None, help='steps per epoch per replica (cost: 300, else 60)')
     add('--batch', type=int, default=32)
     add('--epochs', type=int, default=None)
     add('--lighthouse', type=str, default='')
@@ -874,6 +895,7 @@ def main():
         parser.error('--faults takes kill, pause, healer and lighthouse, comma-separated, not {!r}'.format(
             ','.join(opts.faults)))
     opts.epochs = opts.epochs or {'cost': 1, 'faults': 1000, 'chaos': 5, 'groups': 20}[opts.what]  # faults: to a kill
+    opts.steps = opts.steps or (300 if opts.what == 'cost' else 60)  # cost: a 5 % difference above the noise
     os.makedirs(OUT, exist_ok=True)
     started, load_at_start = time.time(), os.getloadavg()
     result = {'cost': cost, 'faults': faults, 'chaos': chaos, 'groups': groups}[opts.what](opts)
