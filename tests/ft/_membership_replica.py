@@ -6,7 +6,8 @@ in size, and the labels are noisier on some shards than on others, so that the r
 
 Its callbacks: :class:`Local` before ours (each pass's figures before they are averaged over the replicas, as
 ``LOCAL <json>`` lines; with ``--die-at EPOCH BATCH`` this process SIGKILLs itself inside that step, after its
-forward pass, while the others wait in the all-reduce for its gradients),
+forward pass, while the others wait in the all-reduce for its gradients; with ``--hold-at EPOCH BATCH FILE``
+it waits before that step until a joining replica, started with ``--announce FILE``, asks for its first quorum),
 :class:`~torchbearer_dist.FaultTolerantAllReduce`, then :class:`Steps` after ours (each step's weights and
 optimizer state before and after it, its quorum's size and whether torchft committed it; saved to ``--record``,
 also where the run fails). Prints ``DONE <history json>`` at the end; an error ends it with one line on stderr,
@@ -32,6 +33,8 @@ from torchbearer import Callback, Trial
 import torchbearer_dist as tbd
 
 BATCH, LR, MOMENTUM = 4, 0.1, 0.9
+#: Seconds a held replica waits after a joining one announced its first quorum (see _hold).
+HOLD = 2.0
 #: Each replica's samples: 6 training steps each, the last one of 4, 1 and 2 samples; 2, 1 and 2 validation steps.
 TRAIN, VAL = (24, 21, 22), (8, 3, 5)
 #: How far each shard's labels are from the rule the model can learn (its figures differ from the others').
@@ -74,9 +77,16 @@ class Local(Callback):
     and the kill inside step ``die_at`` (after the forward pass, ``delay`` s later, when the others wait for this
     one)."""
 
-    def __init__(self, die_at=None, delay=1.5):
+    def __init__(self, die_at=None, delay=1.5, hold_at=None):
         super().__init__()
         self.die_at, self.delay, self.began, self.samples, self.sums = die_at, delay, None, 0, [0.0, 0.0]
+        self.hold_at = hold_at
+
+    def on_sample(self, state):
+        at = [str(state[torchbearer.EPOCH]), str(state[torchbearer.BATCH])]
+        if self.hold_at is not None and self.hold_at[:2] == at:
+            _hold(self.hold_at[2])  # before this step asks for its quorum
+        self._count(state)
 
     def on_start(self, state):
         self.began = time.monotonic()
@@ -86,10 +96,10 @@ class Local(Callback):
 
     on_start_validation = on_start_training
 
-    def on_sample(self, state):
+    def _count(self, state):
         self.samples += state[torchbearer.Y_TRUE].size(0)
 
-    on_sample_validation = on_sample
+    on_sample_validation = _count
 
     def on_criterion(self, state):
         if self.die_at == [state[torchbearer.EPOCH], state[torchbearer.BATCH]]:
@@ -164,6 +174,28 @@ def _first_quorum_together(folder, replica, replicas):
     Replica.start_quorum = start_quorum
 
 
+def _hold(announced):
+    """Until the file ``announced`` exists (a joining replica asks for its first quorum), then HOLD seconds more, so
+    that its request is at the lighthouse before this replica's: the quorum this step asks for then holds it."""
+    open(announced + '.held-{}'.format(os.getpid()), 'w').close()
+    end = time.monotonic() + 120
+    while not os.path.exists(announced) and time.monotonic() < end:
+        time.sleep(0.05)
+    time.sleep(HOLD)
+
+
+def _announce(path):
+    """This replica's first quorum, asked for after the file ``path`` is made (see :func:`_hold`)."""
+    from torchbearer_dist.ft.replica import Replica
+    original = Replica.start_quorum
+
+    def start_quorum(self, *args, **kwargs):
+        Replica.start_quorum = original
+        open(path, 'w').close()
+        return original(self, *args, **kwargs)
+    Replica.start_quorum = start_quorum
+
+
 class _Then:
     """A torchft Work whose ``wait()`` then runs ``then()``."""
 
@@ -215,9 +247,22 @@ def _quorum_wait(replicas):
     torchft.Manager.__init__ = __init__
 
 
+def _synchronous_quorum(replicas):
+    """The steps' quorum taken at once (torchft's synchronous quorum): a replica that joins counts in its first
+    step, with the gradient of weights it held before it healed."""
+    from torchbearer_dist.ft import replica
+    original = replica.Replica.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs['deferred'] = False
+        original(self, *args, **kwargs)
+    replica.Replica.__init__ = __init__
+
+
 #: ``TBD_MUTANT`` names: the bug each one plants.
 MUTANTS = {'configured_count': _configured_count, 'unweighted_metrics': _unweighted_metrics,
-           'step_uncommitted': _step_uncommitted, 'quorum_wait': _quorum_wait}
+           'step_uncommitted': _step_uncommitted, 'quorum_wait': _quorum_wait,
+           'synchronous_quorum': _synchronous_quorum}
 
 
 def main():
@@ -231,18 +276,23 @@ def main():
     parser.add_argument('--record', type=str, help='save every step (Steps) here (torch.save)')
     parser.add_argument('--die-at', type=int, nargs=2, metavar=('EPOCH', 'BATCH'), help='SIGKILL inside that step')
     parser.add_argument('--barrier', type=str, help='a folder: the first quorum waits for every replica there')
+    parser.add_argument('--hold-at', type=str, nargs=3, metavar=('EPOCH', 'BATCH', 'FILE'),
+                        help='before that step asks for its quorum, wait until FILE exists, and HOLD s more')
+    parser.add_argument('--announce', type=str, help='make this file, then ask for the first quorum')
     args = parser.parse_args()
     mutant = os.environ.get('TBD_MUTANT')
     if mutant:
         MUTANTS[mutant](args.replicas)
     if args.barrier:
         _first_quorum_together(args.barrier, args.replica, args.replicas)
+    if args.announce:
+        _announce(args.announce)
     torch.set_num_threads(1)
     data = dataset()
     net = model(args.replica)
     ft = tbd.FaultTolerantAllReduce(args.lighthouse, replica_id='r{}'.format(args.replica), timeout=args.timeout,
                                     min_replicas=args.min_replicas)
-    local, steps = Local(args.die_at), Steps(ft)
+    local, steps = Local(args.die_at, hold_at=args.hold_at), Steps(ft)
     trial = Trial(net, optimizer(net), torch.nn.CrossEntropyLoss(), metrics=['loss', 'acc'],
                   callbacks=[local, ft, tbd.ReduceMetrics(group=ft.group), steps])
     trial.to(torch.float64)  # torchbearer casts each batch to its dtype

@@ -17,6 +17,10 @@ replica prints its own figures of each pass before they are averaged. From those
 
 and one replica alone, with ``min_replicas=2``, waits for a quorum as long as its message says (3 x timeout).
 
+In a second run, a third replica joins two that train: in its first step (whose quorum it healed in) it counts
+for nothing, the step is one process over the other two's batches, and it ends that step with their weights bit
+for bit; from its second step the three are one process at 3 x ``B``.
+
 ``python tests/scripts/ft_semantics_mutants.py`` plants each bug of ``_membership_replica.MUTANTS`` (a count,
 weights, a gate and a wait broken on purpose) and checks that it fails its test here.
 """
@@ -216,6 +220,67 @@ def test_the_step_in_flight_at_the_loss_is_dropped_and_the_next_one_is_the_refer
         _assert_same(following['after'], reference, **TOLERANCE)
         # Its batch was not trained again: the next step trained the shard's next batch.
         assert torch.equal(following['x'], batch(data, r, KILLED_AT[1] + 1)[0])
+
+
+#: The replica that joins, and the step before which replicas 0 and 1 wait for it (they train one epoch).
+JOINER, JOINS_AT = 2, (0, 2)
+
+
+@pytest.fixture(scope='module')
+def joined(tmp_path_factory):
+    """Replicas 0 and 1 train one epoch, at a lighthouse of ``--min-replicas 2``; once both wait before step
+    :data:`JOINS_AT` (before its quorum is asked for), replica 2 starts, and they go on once it asked for its
+    first quorum: that step's quorum holds all three. Every process ended."""
+    tmp = tmp_path_factory.mktemp('joined')
+    barrier, announced = tmp / 'barrier', tmp / 'announced'
+    barrier.mkdir()
+    record = ('--epochs', '1', '--min-replicas', '2', '--record')
+    with Lighthouse(bind='127.0.0.1:0', min_replicas=2, join_timeout=15.0, heartbeat_timeout=2.0) as server:
+        replicas = _Membership(tmp, server.address)
+        try:
+            for r in SURVIVORS:
+                replicas.start(r, '--replicas', '2', *record, str(tmp / 'r{}.pt'.format(r)), '--barrier', str(barrier),
+                               '--hold-at', *map(str, JOINS_AT), str(announced))
+            replicas.wait_for(lambda: len(list(tmp.glob('announced.held-*'))) == 2, STARTUP + 60)
+            replicas.start(JOINER, *record, str(tmp / 'r{}.pt'.format(JOINER)), '--announce', str(announced))
+            replicas.wait_for(lambda: all(replicas.process(r).poll() is not None for r in range(3)), STARTUP + 90)
+        finally:
+            replicas.kill_all()
+    steps = {r: torch.load(tmp / 'r{}.pt'.format(r)) for r in range(3) if (tmp / 'r{}.pt'.format(r)).exists()}
+    assert sorted(steps) == [0, 1, 2], replicas.describe()
+    return types.SimpleNamespace(replicas=replicas, steps=steps)
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_that_joins_counts_for_nothing_in_its_first_step_and_for_one_from_its_second(joined):
+    # torchft's asynchronous quorum (the steps' quorum behind forward): a replica that heals in a step's quorum
+    # sends zeros in that step and the others average over those that trained; it loads its healer's weights
+    # and momentum and takes the same step. A synchronous quorum would count its gradient there.
+    replicas, data = joined.replicas, dataset()
+    assert [replicas.process(r).poll() for r in range(3)] == [0, 0, 0], replicas.describe()
+    for r in range(3):
+        first = 0 if r in SURVIVORS else JOINS_AT[1]
+        expected = [(0, k, 2 if k <= JOINS_AT[1] else 3, True) for k in range(first, STEPS)]
+        assert [(s['epoch'], s['batch'], s['participants'], s['committed']) for s in joined.steps[r]] == expected, \
+            (r, replicas.describe())
+    steps = {r: {(s['epoch'], s['batch']): s for s in joined.steps[r]} for r in range(3)}
+    joins = steps[JOINER][JOINS_AT]
+    assert torch.equal(joins['x'], batch(data, JOINER, JOINS_AT[1])[0])  # at its healer's position, its own batch
+    for r in SURVIVORS:
+        theirs = steps[r][JOINS_AT]
+        reference = _one_step(theirs['before'], *_union(data, SURVIVORS, JOINS_AT[1]))
+        _assert_same(theirs['after'], reference, **TOLERANCE)  # one process over the two that trained
+        counted = _one_step(theirs['before'], *_union(data, range(3), JOINS_AT[1]))
+        assert _gap(counted, reference) > 1e-4, _gap(counted, reference)  # the joiner's batch counted: far off
+        _assert_same(joins['before'], theirs['before'])  # healed: their weights and momentum, bit for bit
+        _assert_same(joins['after'], theirs['after'])  # and the same step
+    full = [k for k in range(JOINS_AT[1] + 1, STEPS) if min(TRAIN) >= (k + 1) * BATCH]
+    assert full, full
+    for k in full:  # from its second step, three replicas: one process at 3 x B
+        for r in range(3):
+            ours = steps[r][(0, k)]
+            _assert_same(ours['after'], steps[0][(0, k)]['after'])
+            _assert_same(ours['after'], _one_step(ours['before'], *_union(data, range(3), k)), **TOLERANCE)
 
 
 #: The replica's timeout in the quorum tests: a quorum waits 3 x as long.

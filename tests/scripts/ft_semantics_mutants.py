@@ -9,7 +9,8 @@ tests fail. About five minutes on a loaded two-core machine (five pytest runs of
 
 The first three passed every test before issue 42: gradients averaged over the configured replicas instead of
 the live ones, epoch figures averaged without the replicas' samples as weights, optimizers stepped where torchft
-did not commit. The fourth waits one timeout for a quorum where the message says three.
+did not commit. The fourth waits one timeout for a quorum where the message says three. The fifth takes the steps'
+quorum at once (torchft's synchronous quorum), where a replica that joins counts in its first step.
 """
 import os
 import re
@@ -17,13 +18,15 @@ import subprocess
 import sys
 
 TESTS = 'tests/ft/test_membership_semantics.py'
-SCENARIO = 'not alone'  # the three replicas, one lost: one run serves (a), (b) and (c)
+SCENARIO = 'not alone and not joins'  # the three replicas, one lost: one run serves (a), (b) and (c)
 ALONE = 'alone_a_replica_waits_for_a_quorum'  # (d)
+JOINS = 'joins'  # (e): a third replica joins two
 
 A = 'test_a_step_while_one_of_three_is_lost_is_one_process_at_the_live_replicas_batch'
 B = 'test_epoch_figures_are_the_live_replicas_weighted_by_their_samples'
 C = 'test_the_step_in_flight_at_the_loss_is_dropped_and_the_next_one_is_the_reference'
 D = 'test_alone_a_replica_waits_for_a_quorum_as_long_as_its_message_says'
+E = 'test_a_replica_that_joins_counts_for_nothing_in_its_first_step_and_for_one_from_its_second'
 
 #: name: (the tests run, as pytest's -k; the tests it must fail)
 MUTANTS = {
@@ -31,6 +34,7 @@ MUTANTS = {
     'unweighted_metrics': (SCENARIO, [B]),
     'step_uncommitted': (SCENARIO, [C]),
     'quorum_wait': (ALONE, [D]),
+    'synchronous_quorum': (JOINS, [E]),
 }
 
 
