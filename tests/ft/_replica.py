@@ -71,7 +71,7 @@ def model(replica, hidden, batchnorm=False, rank=0):
 
 def digest(tensors):
     """A hash of ``tensors``' values, bit for bit."""
-    return hashlib.sha256(b''.join(t.detach().contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+    return hashlib.sha256(b''.join(t.detach().cpu().contiguous().numpy().tobytes() for t in tensors)).hexdigest()
 
 
 class StopAt(Callback):
@@ -233,6 +233,8 @@ def main():
                         'formed, nothing sent)')
     parser.add_argument('--launch', type=int, help='start this many ranks, one replica group, with launch()')
     parser.add_argument('--max-restarts', type=int, default=0, help="--launch's max_restarts")
+    parser.add_argument('--device', type=str, default='cpu', help="where the Trial trains (cuda:0, say): torchft's "
+                        'gloo group carries its gradients from there')
     parser.add_argument('--evaluate', type=int, help='after the runs, evaluate() and predict() this many test samples '
                         '(each replica its shard, no shuffle)')
     args = parser.parse_args()
@@ -272,6 +274,7 @@ def train(args, group_size=1, rank=0):
                   callbacks=[Progress(args.sleep, args.gate, args.gate_step), before, *callbacks, after,
                              ExitAt(args.exit_at), StopAt(args.stop_at if rank == 0 else None)])
     trial.with_generators(loader)
+    trial.to(args.device)  # the model, the optimizer's state, each batch
     if args.resume:
         tbd.load_checkpoint(args.resume, trial=trial)
     ready_at_the_first_quorum()
