@@ -83,6 +83,10 @@ def test_evaluate_beside_a_replica_still_training_refuses_in_one_line(tmp_path):
         try:
             common = ('--replicas', '2', '--samples', '400', '--sleep', '0.05')
             replicas.start(0, *common, '--epochs', '1', '--evaluate', '300', '--min-replicas', '2')
+            # Replica 1 starts once replica 0 asks for its first quorum (waiting for two): the two train epoch 0
+            # together. Started at once, a loaded machine let replica 1 train alone past replica 0's one epoch
+            # before replica 0 joined, a run other than the one this test is about.
+            replicas.wait_for(lambda: 'READY' in replicas.out(0), STARTUP + 60, starting=[0])
             replicas.start(1, *common, '--epochs', '3')  # it trains on alone once replica 0 leaves
             replicas.wait_for(lambda: all(replicas.process(i).poll() is not None for i in range(2)), STARTUP + 150)
         finally:
