@@ -6,6 +6,7 @@ misconfigured one starts once it trains, heals at its first quorum, and is refus
 on: another shard count stalled every epoch end a full timeout and ended in different models at exit 0; a
 second live replica of one name counted its shard twice).
 """
+import re
 import time
 
 import pytest
@@ -55,6 +56,26 @@ def test_a_misconfigured_replica_is_refused_in_one_line_and_the_training_one_goe
     assert replicas.err(other).strip().splitlines()[-1] == line, replicas.describe()
     assert replicas.steps(other) == 0, replicas.describe()  # it trained nothing
     # The training replica goes on to the end of its run, alone again, and is never the one refused.
+    replicas.wait_for(lambda: replicas.done(healthy), STARTUP + 120)
+    assert replicas.process(healthy).wait(30) == 0, replicas.describe()
+    assert replicas.steps(healthy) == 180
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_that_heals_past_the_end_of_its_own_run_is_refused_in_one_line(replicas):
+    # A replica of one epoch joins one of three in its second epoch: it heals there, with nothing of its own run left
+    # to train. Before, it ended its run at once inside the other's quorum, and its end-of-run exchanges met the
+    # other's gradients (gloo: "Received data size doesn't match expected size"): it aborted without a line.
+    gate = ('--gate', str(replicas.tmp_path / 'gate'), '--gate-step', '70')  # held at epoch 1, batch 10
+    healthy = replicas.start(0, '--replicas', '2', *HEALTHY, *gate)
+    replicas.wait_for(lambda: replicas.steps(healthy) >= 70, STARTUP + 60)  # held there
+    other = replicas.start(1, '--replicas', '2', *HEALTHY, '--epochs', '1')
+    release(replicas, other)
+    assert replicas.process(other).wait(10 + LOAD_SLACK) == 1, replicas.describe()
+    assert re.fullmatch(r'error: this replica healed at epoch 1, batch \d+, past the end of its own run of 1 epoch: '
+                        r'the replica it healed from trains more epochs and goes on; start every replica with the '
+                        r'same number of epochs', replicas.err(other).strip().splitlines()[-1]), replicas.describe()
+    assert replicas.steps(other) == 0, replicas.describe()
     replicas.wait_for(lambda: replicas.done(healthy), STARTUP + 120)
     assert replicas.process(healthy).wait(30) == 0, replicas.describe()
     assert replicas.steps(healthy) == 180

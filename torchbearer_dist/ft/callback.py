@@ -524,6 +524,13 @@ class FaultTolerantAllReduce(Callback):
             self.heals += 1
         if not (self._in_step or self._meets):
             self._pending = position  # at the run's start: its first epoch begins at the healer's position
+            epochs = state[torchbearer.MAX_EPOCHS]
+            if position['epoch'] >= epochs:  # refused at the vote, in one line: nothing of this run left to train
+                self._refusal = ('this replica healed at epoch {}, batch {}, past the end of its own run of {} '
+                                 'epoch{}: the replica it healed from trains more epochs and goes on; start every '
+                                 'replica with the same number of epochs'.format(
+                                     position['epoch'], position['batches'], epochs, 's' * (epochs != 1)))
+                return
             if self.heals:
                 self._news.append('replica {} healed from a live replica: it goes on at epoch {}, batch {}'.format(
                     self.replica.replica_id, position['epoch'], position['batches']))
