@@ -57,7 +57,7 @@ def _worker(args):
         (the commit, the optimizer); and the CPU time of the whole process (every thread) per step after the
         warm-up."""
         phases = {'forward': [], 'backward': [], 'update': []}
-        cpu, steps = None, 0
+        cpu, steps = None, 0  # the process's CPU seconds once 5 steps were taken (the warm-up), the steps taken
 
         def _mark(self, name):
             now = time.perf_counter()
@@ -67,7 +67,7 @@ def _worker(args):
         def on_sample(self, state):
             self._last = time.perf_counter()
             if self.steps == 5:  # the steps that _ms_per_step counts
-                self.cpu = (time.process_time(), 5)
+                self.cpu = time.process_time()
 
         def on_forward(self, state):
             self._mark('forward')
@@ -82,8 +82,8 @@ def _worker(args):
 
         def on_end(self, state):
             medians = {k: 1000 * statistics.median(v[5:]) for k, v in self.phases.items() if len(v) > 5}
-            if self.cpu is not None and self.steps > self.cpu[1]:
-                medians['cpu'] = 1000 * (time.process_time() - self.cpu[0]) / (self.steps - self.cpu[1])
+            if self.cpu is not None and self.steps > 5:
+                medians['cpu'] = 1000 * (time.process_time() - self.cpu) / (self.steps - 5)
             print('PHASES', ' '.join('{}={:.3f}'.format(k, v) for k, v in medians.items()), flush=True)
 
     def run(callbacks):
@@ -399,10 +399,9 @@ class _Namespaces:
             time.sleep(0.1)
 
     def lighthouse_cpu(self):
-        """Seconds of CPU the lighthouse process has used (user and system, from /proc)."""
-        with open('/proc/{}/stat'.format(self.server.pid)) as f:
-            fields = f.read().rsplit(')', 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+        """Seconds of CPU the lighthouse process has used (every thread, from /proc, as the launcher reads it)."""
+        from torchbearer_dist.runtime._supervisor import _stat
+        return _stat(self.server.pid)[1]
 
     def restart_lighthouse(self, down):
         """Kill the lighthouse process, and start it again on the same address ``down`` seconds later (plus its

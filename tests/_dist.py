@@ -36,6 +36,19 @@ STARTUP = 30
 #: threads woken late, processes that exit and are reaped slowly. Bounds are the fault's plus this, never
 #: a guess at the machine's speed.
 LOAD_SLACK = 8
+def _cuda_devices():
+    import torch
+    return torch.cuda.device_count()
+
+
+#: Where the one-GPU tests train (tests/e2e/test_gpu.py, tests/ft/test_cuda.py): ``cuda`` (cuda:0 for every rank or
+#: replica) or ``cpu``, to check their bodies on a machine without a GPU.
+DEVICE = os.environ.get('TORCHBEARER_DIST_TEST_DEVICE', 'cuda')
+ON_GPU = DEVICE.split(':')[0] == 'cuda'
+#: The one-GPU tests' marks: gpu where they train on CUDA (skipped, saying so, without one); plain slow tests on
+#: the CPU (nothing skips them).
+ONE_DEVICE = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_devices(), reason='needs 1 GPU')] \
+    if ON_GPU else [pytest.mark.slow]
 #: Hard bound on one multi-process test, seconds: a hang (no CPU used) fails at it; see :class:`HangGuard`.
 DEADLINE = 60
 #: How far past its deadline a guarded test may run while its processes still use the CPU (a loaded

@@ -27,7 +27,17 @@ from torchbearer import Trial
 
 import torchbearer_dist
 
-from _dist import ROOT, child_env, run_command, run_in_step, run_workers, scenario_values, world_of_one  # noqa: I001
+from _dist import (  # noqa: I001
+    ON_GPU,
+    ONE_DEVICE,
+    ROOT,
+    child_env,
+    run_command,
+    run_in_step,
+    run_workers,
+    scenario_values,
+    world_of_one,
+)
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _folder in ('callbacks', 'sync'):  # the CPU tests' helpers, under the names pytest imports them by
@@ -36,12 +46,6 @@ for _folder in ('callbacks', 'sync'):  # the CPU tests' helpers, under the names
 import test_equivalence as equivalence  # noqa: E402
 import test_syncbn as syncbn  # noqa: E402
 
-#: Where the one-GPU tests train: ``cuda`` (cuda:0 for every rank) or ``cpu`` to check them without a GPU.
-DEVICE = os.environ.get('TORCHBEARER_DIST_TEST_DEVICE', 'cuda')
-ON_GPU = torch.device(DEVICE).type == 'cuda'
-#: The one-GPU tests: marked gpu where they train on CUDA; plain slow tests on CPU (nothing skips them).
-ONE_DEVICE = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason='needs 1 GPU')] \
-    if ON_GPU else [pytest.mark.slow]
 #: Largest parameter difference from the one-process reference, float32 without TF32.
 TOLERANCE = 1e-5
 

@@ -155,23 +155,30 @@ class Steps(Callback):
         self.steps.append(self.current)
 
 
-def _first_quorum_together(folder, replica, replicas):
-    """The first quorum of every replica waits until all ``replicas`` have their Manager up, and a second more
-    (every Manager heartbeats every 0.1 s): the lighthouse then waits for all of them (its join timeout), so
-    that the first quorum holds them all, in whatever order their processes started. A test harness, not a
-    mutant."""
+def _before_first_quorum(action):
+    """``action()`` once, in this process, just before its replica asks for its first quorum."""
     from torchbearer_dist.ft.replica import Replica
     original = Replica.start_quorum
 
     def start_quorum(self, *args, **kwargs):
         Replica.start_quorum = original
+        action()
+        return original(self, *args, **kwargs)
+    Replica.start_quorum = start_quorum
+
+
+def _first_quorum_together(folder, replica, replicas):
+    """The first quorum of every replica waits until all ``replicas`` have their Manager up, and a second more
+    (every Manager heartbeats every 0.1 s): the lighthouse then waits for all of them (its join timeout), so
+    that the first quorum holds them all, in whatever order their processes started. A test harness, not a
+    mutant."""
+    def wait():
         open(os.path.join(folder, 'up-{}'.format(replica)), 'w').close()
         end = time.monotonic() + 120
         while len([n for n in os.listdir(folder) if n.startswith('up-')]) < replicas and time.monotonic() < end:
             time.sleep(0.05)
         time.sleep(1.0)
-        return original(self, *args, **kwargs)
-    Replica.start_quorum = start_quorum
+    _before_first_quorum(wait)
 
 
 def _hold(announced):
@@ -182,18 +189,6 @@ def _hold(announced):
     while not os.path.exists(announced) and time.monotonic() < end:
         time.sleep(0.05)
     time.sleep(HOLD)
-
-
-def _announce(path):
-    """This replica's first quorum, asked for after the file ``path`` is made (see :func:`_hold`)."""
-    from torchbearer_dist.ft.replica import Replica
-    original = Replica.start_quorum
-
-    def start_quorum(self, *args, **kwargs):
-        Replica.start_quorum = original
-        open(path, 'w').close()
-        return original(self, *args, **kwargs)
-    Replica.start_quorum = start_quorum
 
 
 class _Then:
@@ -285,8 +280,8 @@ def main():
         MUTANTS[mutant](args.replicas)
     if args.barrier:
         _first_quorum_together(args.barrier, args.replica, args.replicas)
-    if args.announce:
-        _announce(args.announce)
+    if args.announce:  # the file made, then the first quorum asked for (see _hold)
+        _before_first_quorum(lambda: open(args.announce, 'w').close())
     torch.set_num_threads(1)
     data = dataset()
     net = model(args.replica)

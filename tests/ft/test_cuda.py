@@ -10,22 +10,14 @@ Marked ``gpu``: it skips without CUDA, saying so (``TORCHBEARER_DIST_TEST_GPU=1`
 conftest.py); ``benchmarks/gpu_session.sh`` runs it on a lent machine. ``TORCHBEARER_DIST_TEST_DEVICE=cpu`` runs
 the same body on the CPU (marked ``slow`` then), to check it without a GPU, as tests/e2e/test_gpu.py does.
 """
-import os
-
 import pytest
-import torch
 
-from _dist import LOAD_SLACK
+from _dist import LOAD_SLACK, ON_GPU, ONE_DEVICE
 
 pytest.importorskip('torchft', reason='the fault-tolerant mode needs torchft: pip install "torchbearer_dist[ft]"')
 
 from _replicas import kill_one_and_heal  # noqa: E402
 
-#: Where the replicas train: ``cuda`` (cuda:0 for every replica) or ``cpu`` to check the test without a GPU.
-DEVICE = os.environ.get('TORCHBEARER_DIST_TEST_DEVICE', 'cuda')
-ON_GPU = torch.device(DEVICE).type == 'cuda'
-ONE_DEVICE = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason='needs 1 GPU')] \
-    if ON_GPU else [pytest.mark.slow]
 #: torchft's bounds on a lost replica (test_fault_tolerant.py's): the heartbeat timeout and a collective's.
 LOST_BOUND = 2 + 10
 
