@@ -55,8 +55,10 @@ def _worker(args):
         """Each step's time (T lines); at the end, the median of its phases: from on_sample to the end of forward
         (the ft mode's quorum is taken in on_sample, or behind forward), backward (the buckets' waits), the update
         (the commit, the optimizer); and the CPU time of the whole process (every thread) per step after the
-        warm-up."""
+        warm-up. The ft mode's Manager rounds (``rounds``) are kept here too, and said once at the end with the
+        phases, so that its steps write no more than the fail-fast mode's."""
         phases = {'forward': [], 'backward': [], 'update': []}
+        rounds = {}  # name: each call's milliseconds (see timed)
         cpu, steps = None, 0  # the process's CPU seconds once 5 steps were taken (the warm-up), the steps taken
 
         def _mark(self, name):
@@ -82,6 +84,7 @@ def _worker(args):
 
         def on_end(self, state):
             medians = {k: 1000 * statistics.median(v[5:]) for k, v in self.phases.items() if len(v) > 5}
+            medians.update((k, statistics.median(v[5:])) for k, v in self.rounds.items() if len(v) > 5)
             if self.cpu is not None and self.steps > 5:
                 medians['cpu'] = 1000 * (time.process_time() - self.cpu) / (self.steps - 5)
             print('PHASES', ' '.join('{}={:.3f}'.format(k, v) for k, v in medians.items()), flush=True)
@@ -99,17 +102,19 @@ def _worker(args):
         from torchbearer_dist.ft import FaultTolerantAllReduce
 
         def timed(name, method):  # the Manager's own rounds per step, timed in this process (benchmark only)
+            times = Clock.rounds.setdefault(name, [])
+
             def wrapper(*a, **k):
                 started = time.perf_counter()
                 try:
                     return method(*a, **k)
                 finally:
-                    print('{} {:.3f}'.format(name, 1000 * (time.perf_counter() - started)), flush=True)
+                    times.append(1000 * (time.perf_counter() - started))
             return wrapper
-        torchft.Manager.start_quorum = timed('Q', torchft.Manager.start_quorum)
-        torchft.Manager.should_commit = timed('C', torchft.Manager.should_commit)
+        torchft.Manager.start_quorum = timed('quorum', torchft.Manager.start_quorum)
+        torchft.Manager.should_commit = timed('commit', torchft.Manager.should_commit)
         # what is left at the end of backward: the buckets not yet sent, every wait, the copy back
-        FaultTolerantAllReduce.on_backward = timed('A', FaultTolerantAllReduce.on_backward)
+        FaultTolerantAllReduce.on_backward = timed('all_reduce', FaultTolerantAllReduce.on_backward)
         run(tbd.distributed_callbacks(fault_tolerant=args.lighthouse, replica_id='r{}'.format(args.replica),
                                       min_replicas=args.min_replicas, timeout=args.timeout))
     else:
@@ -161,13 +166,6 @@ def _lighthouse(min_replicas=1):
 COST_MODES = ('sync', 'sync-flat', 'ft')
 
 
-def _median_of(outs, name, skip_lines=10):
-    """Median of the ``name ms`` lines the workers printed (their first ``skip_lines`` lines left out), or None."""
-    values = [float(line.split()[1]) for out in outs for line in out.splitlines()[skip_lines:]
-              if line.startswith(name + ' ')]
-    return round(statistics.median(values), 3) if values else None
-
-
 def cost(opts):
     """ms per step of the same job in each mode, the modes interleaved in every repeat (order rotated).
 
@@ -200,14 +198,10 @@ def cost(opts):
                         mode, [p.returncode for p in procs], outs[0][-2000:], errs[0][-3000:]))
                 ms = statistics.median(_ms_per_step(_times(out), skip=5) for out in outs)
                 rows.append({'repeat': repeat, 'mode': mode, 'ms_per_step': round(ms, 2)})
-                for name, what in (('Q', 'quorum_ms'), ('C', 'commit_ms'), ('A', 'all_reduce_ms')):
-                    value = _median_of(outs, name)
-                    if value is not None:
-                        rows[-1][what] = value
                 phases = [dict(item.split('=') for item in line.split()[1:]) for out in outs
                           for line in out.splitlines() if line.startswith('PHASES ')]
                 for name in phases[0] if phases else ():  # the workers' median phase times, their median
-                    rows[-1]['{}_ms'.format(name)] = round(statistics.median(float(p[name]) for p in phases), 2)
+                    rows[-1]['{}_ms'.format(name)] = round(statistics.median(float(p[name]) for p in phases), 3)
                 if shared and mode == 'ft':
                     rows[-1]['lighthouse_cpu_ms'] = round(1000 * lighthouse_cpu / (opts.steps * opts.epochs), 3)
                 print(rows[-1], flush=True)

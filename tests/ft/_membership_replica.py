@@ -26,7 +26,6 @@ import time
 
 import torch
 import torchbearer
-from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 from torchbearer import Callback, Trial
 
@@ -205,14 +204,14 @@ class _Then:
 
 def _configured_count(replicas):
     """The gradients averaged over the configured replicas, not the live ones: AVG as a SUM divided by N."""
-    import torchft
-    original = torchft.Manager.allreduce
+    from torchbearer_dist.sync import group
+    original = group.QuorumGroup.all_reduce
 
-    def allreduce(self, tensor, should_quantize=False, reduce_op=ReduceOp.AVG):
-        if reduce_op != ReduceOp.AVG:
-            return original(self, tensor, should_quantize, reduce_op)
-        return _Then(original(self, tensor, should_quantize, ReduceOp.SUM), lambda: tensor.div_(replicas))
-    torchft.Manager.allreduce = allreduce
+    def all_reduce(self, tensor, op=group.SUM):
+        if op != group.AVG:
+            return original(self, tensor, op)
+        return _Then(original(self, tensor, group.SUM), lambda: tensor.div_(replicas))
+    group.QuorumGroup.all_reduce = all_reduce
 
 
 def _unweighted_metrics(replicas):

@@ -179,9 +179,13 @@ def stop_in_quorum(count):
 
 
 def signal_in_callback(count, signum):
-    """From its ``count``-th collective on, send itself ``signum`` from inside a callback of torchft's future chain
-    run by the main thread (once): torchft turns what the handler raises there into the step's error."""
+    """From its ``count``-th collective on, send itself ``signum`` from inside a callback of a future that torchft
+    wraps (``Manager.wrap_future``, as its ``Manager.allreduce`` does each collective), run by the main thread
+    (once): torchft turns what the handler raises there into the step's error. The package's own collectives
+    start on the process group directly; a program's own through the Manager meet this."""
     import threading
+
+    import torch
 
     from torchbearer_dist.sync import group
     original, calls, sent = group._QuorumWork.wait, [], []
@@ -197,7 +201,9 @@ def signal_in_callback(count, signum):
     def wait(self):
         calls.append(1)
         if len(calls) >= count and not sent:
-            self.work.get_future().then(callback)
+            done = torch.futures.Future()
+            done.set_result(None)
+            self.manager.wrap_future(done.then(callback), None).wait()  # a done future: the callback runs here
         return original(self)
     group._QuorumWork.wait = wait
 

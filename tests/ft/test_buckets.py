@@ -85,7 +85,7 @@ def step():
 
     class Replica:
         def __init__(self, *args, group=None, deferred=False):
-            self.manager = _Manager(events)
+            self.manager, self.group = _Manager(events), None  # no process group: sums through the Manager
 
         def start_quorum(self, shrink_only=False, heal=True, wait=True, load=True):
             events.append(('quorum',))
@@ -151,7 +151,7 @@ def test_a_steps_quorum_is_asked_for_before_forward_and_taken_before_its_first_b
 
     class Replica:
         def __init__(self, *args, group=None, deferred=False):
-            self.manager, self.deferred = Alone(events), deferred
+            self.manager, self.deferred, self.group = Alone(events), deferred, None
 
         def start_quorum(self, shrink_only=False, heal=True, wait=True, load=True):
             events.append(('ask', wait))

@@ -448,7 +448,7 @@ class FaultTolerantAllReduce(Callback):
         the live groups (within the group, then with the same rank of the others: see ``HierarchicalGroup``).
         ``trained`` (a DiLoCo meeting): whether this replica trained since the last meeting; those that did not
         (healed since) count for nothing (see ``QuorumGroup``). A group's ranks heal and train together."""
-        quorum = QuorumGroup(self.replica.manager, trained, ready=self._take_quorum)
+        quorum = QuorumGroup(self.replica.manager, trained, ready=self._take_quorum, process_group=self.replica.group)
         return quorum if self._local is None else HierarchicalGroup(self._local, quorum)
 
     def _dropped(self, what):

@@ -146,8 +146,10 @@ class Replica:
     """This process as a replica group of one (or as one rank of a replica group of several): a TCPStore, a torchft
     gloo group and a ``torchft.Manager``.
 
-    The Manager averages through the group over the replicas of each quorum, and serves this replica's
-    state (``state_dict()``) to replicas that heal from it, or loads a healthy one's (``load_state_dict``).
+    The group (``group``) carries the sums over the replicas of each quorum, which the Manager sets up at each new
+    quorum (:class:`~torchbearer_dist.sync.group.QuorumGroup` starts them on it); the Manager decides each step
+    and serves this replica's state (``state_dict()``) to replicas that heal from it, or loads a healthy one's
+    (``load_state_dict``).
 
     A thread watches the lighthouse (:mod:`~torchbearer_dist.ft._watch`): where no probe has found it for
     ``timeout``, the main thread's quorum ends at once in a one-line RuntimeError that says so (or that something

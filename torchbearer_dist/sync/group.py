@@ -6,7 +6,7 @@ its mode, as torchft's ``DistributedDataParallel`` is torch's DDP handed another
 - :class:`DistGroup`: a ``torch.distributed`` process group, the default one unless given one (the fail-fast mode).
   A collective that fails raises; gloo's plain ``RuntimeError`` becomes a ``DistBackendError``.
 - :class:`QuorumGroup`: the live replicas of a torchft ``Manager``'s quorum (the fault-tolerant mode). Its size is
-  the quorum's at each step; a collective never raises: torchft records the error (``manager.errored()``), the
+  the quorum's at each step; a collective never raises: the Manager records the error (``manager.errored()``), the
   result is then not to be trusted and ``should_commit()`` drops the step on every replica.
 
 - :class:`HierarchicalGroup`: a replica group of several ranks (one machine's, started by ``torchrun``, ``launch()``
@@ -24,6 +24,7 @@ zeros that holds each member's values at its row (exact: ``x + 0 == x``; a ``-0.
 """
 import torch
 import torch.distributed as dist
+from torch.distributed import AllreduceOptions
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
@@ -116,13 +117,18 @@ class _DistWork:
 
 
 class _QuorumWork:
-    """A torchft collective in flight: its wait never raises, and says whether the quorum's result is whole."""
+    """A sum over the live replicas in flight (``work`` None: none started): its wait never raises, a failure is
+    the Manager's to record (the step is then not committed), and it says whether the result is whole."""
 
     def __init__(self, manager, work, tensor=None, divisor=1):
         self.manager, self.work, self.tensor, self.divisor = manager, work, tensor, divisor
 
     def wait(self):
-        self.work.wait()  # an error is recorded by torchft: the step is then not committed
+        if self.work is not None:
+            try:
+                self.work.wait()  # torchft's Manager.allreduce records its own failure; its process group's raises
+            except Exception as error:  # a replica lost: torchft's rule, every replica drops the step
+                self.manager.report_error(error)
         if self.divisor != 1:
             self.tensor.div_(self.divisor)
         return self.manager.errored() is None
@@ -257,17 +263,23 @@ class QuorumGroup:
             meeting (a collective at construction, after ``start_quorum()``)
         ready (callable): called before each use of the group, to take a quorum still in flight (see
             :class:`~torchbearer_dist.ft.FaultTolerantAllReduce`)
+        process_group (torchft.ProcessGroup): the process group the Manager was built with (its ``pg``): each sum
+            is started on it directly, under the rules of ``Manager.allreduce`` (nothing after a failure of the
+            step, zeros from a replica that heals in it, a failure recorded with ``report_error``), without the
+            chain of futures and the timer that ``Manager.allreduce`` wraps around each collective (the process
+            group's own timeout bounds it); None: through ``Manager.allreduce``
 
     .. warning:: Every collective is a synchronization point of the live replicas.
     """
 
-    def __init__(self, manager, trained=None, ready=None):
+    def __init__(self, manager, trained=None, ready=None, process_group=None):
         self.manager, self.trained, self._ready = manager, trained, ready or _nothing
+        self.process_group = process_group
         self._trainers = self._head = None
         if trained is not None:
             flags = torch.zeros(manager.num_participants(), dtype=torch.float64)
             flags[manager.participating_rank()] = 1.0 if trained else 0.0
-            manager.allreduce(flags, reduce_op=SUM).wait()  # a failure leaves this replica's own
+            self._sum(flags).wait()  # a failure leaves this replica's own
             self._trainers = int(flags.sum().item())
             self._head = int(flags.argmax().item()) == manager.participating_rank() and trained
 
@@ -297,12 +309,11 @@ class QuorumGroup:
         """
         self._ready()
         _check_op(op)
-        if self._trainers is None:  # torchft's AVG divides by the replicas live at this step
-            return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=op))
+        if self._trainers is None:  # AVG divides by the replicas live at this step, as torchft's own
+            return self._sum(tensor, op)
         if not self.trained:
             tensor.zero_()
-        work = self.manager.allreduce(tensor, reduce_op=SUM)
-        return _QuorumWork(self.manager, work, tensor, self._trainers if op == AVG and self._trainers else 1)
+        return self._sum(tensor, divisor=self._trainers if op == AVG and self._trainers else 1)
 
     def broadcast(self, tensor):
         """The first counting replica's ``tensor``, in place on every replica; returns the collective in flight.
@@ -313,7 +324,31 @@ class QuorumGroup:
         head = self.manager.participating_rank() == 0 if self._head is None else self._head
         if not head:
             tensor.zero_()
-        return _QuorumWork(self.manager, self.manager.allreduce(tensor, reduce_op=SUM))
+        return self._sum(tensor)
+
+    def _sum(self, tensor, op=SUM, divisor=1):
+        """Start the sum of ``tensor`` in place over the live replicas (``AVG``: divided by their count, as torchft
+        does), divided by ``divisor`` at the end; a replica that heals in this quorum sends zeros (torchft: it does
+        not participate)."""
+        manager = self.manager
+        if self.process_group is None:
+            work = manager.allreduce(tensor, reduce_op=op)
+        elif manager.errored() is not None:  # torchft's rule: after a failure, the step's collectives do nothing
+            work = None
+        else:
+            manager.wait_quorum()
+            if not manager.is_participating():
+                tensor.zero_()
+            options = AllreduceOptions()
+            options.reduceOp = SUM
+            try:
+                work = self.process_group.allreduce([tensor], options)
+            except Exception as error:  # its quorum's group could not be set up: the step fails on every replica
+                manager.report_error(error)
+                work = None
+            if op == AVG:
+                divisor = manager.num_participants()
+        return _QuorumWork(manager, work, tensor, divisor)
 
     def all_gather(self, output, tensor):
         """Every live replica's ``tensor``, stacked in ``output`` by rank in the quorum (see
