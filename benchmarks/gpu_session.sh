@@ -107,11 +107,12 @@ else
         --json "$OUT/bench.json" --profile "$OUT/profile.txt"
 fi
 
-# 5a. the fault-tolerant mode on the GPU (issue 43): three replicas on cuda:0, one killed and healed (torchft must
-# be importable: its wheel travels in .whl/ with the others)
+# 5a. the fault-tolerant mode on the GPU (issue 43): three replicas on cuda:0, one killed and healed; where the
+# machine has two GPUs, two replica groups of two ranks on nccl, a rank killed (torchft must be importable: its
+# wheel travels in .whl/ with the others)
 if [ "$CUDA" = 1 ]; then
-    step ft-gpu 150 env TORCHBEARER_DIST_TEST_GPU=1 "$PY" -m pytest -n 0 -p no:cacheprovider -m gpu -v -rA \
-        -o timeout=140 tests/ft/test_cuda.py
+    step ft-gpu 240 env TORCHBEARER_DIST_TEST_GPU=1 "$PY" -m pytest -n 0 -p no:cacheprovider -m gpu -v -rA \
+        -o timeout=140 tests/ft/test_cuda.py tests/ft/test_torchrun_restarts.py
 else
     echo "=== ft-gpu: no CUDA here" | tee -a "$LOG"
     NAMES+=(ft-gpu) RCS+=("no-cuda") SECS+=(0)

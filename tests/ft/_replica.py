@@ -240,12 +240,13 @@ def main():
     parser.add_argument('--launch', type=int, help='start this many ranks, one replica group, with launch()')
     parser.add_argument('--max-restarts', type=int, default=0, help="--launch's max_restarts")
     parser.add_argument('--device', type=str, default='cpu', help="where the Trial trains (cuda:0, say): torchft's "
-                        'gloo group carries its gradients from there')
+                        'gloo group carries its gradients from there; cuda: each rank its current GPU (nccl sets it)')
+    parser.add_argument('--backend', type=str, help="--launch's process group backend (nccl: a GPU a rank)")
     parser.add_argument('--evaluate', type=int, help='after the runs, evaluate() and predict() this many test samples '
                         '(each replica its shard, no shuffle)')
     args = parser.parse_args()
     if args.launch:  # launch()'s restarts: each new rank finds its start in TORCHELASTIC_RESTART_COUNT
-        tbd.launch(launched, args.launch, args=(args,), max_restarts=args.max_restarts)
+        tbd.launch(launched, args.launch, args=(args,), max_restarts=args.max_restarts, backend=args.backend)
     elif tbd.resolve().world_size > 1:  # one rank of a replica group: its launcher's process group (torchrun's,
         # launch()'s, or an srun of several tasks: SLURM_NTASKS, no WORLD_SIZE)
         with tbd.process_group():
@@ -280,7 +281,8 @@ def train(args, group_size=1, rank=0):
                   callbacks=[Progress(args.sleep, args.gate, args.gate_step), before, *callbacks, after,
                              ExitAt(args.exit_at), StopAt(args.stop_at if rank == 0 else None)])
     trial.with_generators(loader)
-    trial.to(args.device)  # the model, the optimizer's state, each batch
+    device = 'cuda:{}'.format(torch.cuda.current_device()) if args.device == 'cuda' else args.device
+    trial.to(device)  # the model, the optimizer's state, each batch
     if args.resume:
         tbd.load_checkpoint(args.resume, trial=trial)
     ready_at_the_first_quorum()

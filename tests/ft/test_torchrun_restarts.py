@@ -25,6 +25,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from _dist import LOAD_SLACK, STARTUP, STRETCH, TORCHRUN, children, cmdline, kill_session, session
 
@@ -105,7 +106,11 @@ def _stop(agents, workers):
 @pytest.mark.parametrize('hosts,kill_after,extra', [
     (Torchrun(1), 20, ()), (Torchrun(2), 15, ()), (Launch(2, 3), 15, ()),
     (Torchrun(2), 15, ('--local-steps', '4')),  # DiLoCo's meetings over the groups: the heal at a meeting's quorum
-], ids=['one-rank', 'group-of-two', 'group-of-two-under-launch', 'group-of-two-diloco'])
+    # each group two GPUs on nccl (a rank each), the groups joined by torchft's gloo from device memory (issue 43,
+    # item 3): gpu_session.sh runs it where a machine has two
+    pytest.param(Launch(2, 3), 15, ('--backend', 'nccl', '--device', 'cuda'), marks=[
+        pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs 2 GPUs')]),
+], ids=['one-rank', 'group-of-two', 'group-of-two-under-launch', 'group-of-two-diloco', 'group-of-two-gpus-on-nccl'])
 def test_a_worker_killed_under_torchrun_restarts_heals_live_and_ends_bit_identical(tmp_path, hosts, kill_after,
                                                                                     extra):
     # launch()'s spawned ranks import torch afresh beside a launcher that did too: in the whole tests/ft run (the

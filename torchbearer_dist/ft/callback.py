@@ -588,7 +588,7 @@ class FaultTolerantAllReduce(Callback):
             return
         params = [p for _, p in trainable(state)] + ([] if self.every_step else held_buffers(state))
         mine = torch.stack([fingerprint(p) for p in params]) if params else torch.zeros(1, 2)
-        rows = torch.zeros(count, 2, dtype=torch.int64)
+        rows = torch.zeros(count, 2, dtype=torch.int64, device=group.device())  # within a group under nccl: a GPU's
         rows[rank] = fingerprint(mine)
         whole = group.all_reduce(rows, SUM).wait()
         if not whole or manager.errored() is not None:

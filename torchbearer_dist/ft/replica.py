@@ -131,8 +131,8 @@ ADDRESS_BYTES = 256
 
 def _share_address(address, group):
     """Rank 0's ``(host, port)`` (None elsewhere) on every rank of ``group`` (a DistGroup), as tensors: a collective
-    of the package never unpickles what a peer sends."""
-    wire = torch.zeros(ADDRESS_BYTES + 1, dtype=torch.int64)
+    of the package never unpickles what a peer sends. On the group's device (a GPU under nccl)."""
+    wire = torch.zeros(ADDRESS_BYTES + 1, dtype=torch.int64, device=group.device())
     if address is not None:
         name = address[0].encode()[:ADDRESS_BYTES]
         wire[:len(name)] = torch.tensor(list(name), dtype=torch.int64)
