@@ -231,14 +231,18 @@ def _step_uncommitted(replicas):
 
 
 def _quorum_wait(replicas):
-    """A quorum waits one timeout, where the message says three."""
+    """A quorum waits one timeout, where the message says three: every quorum's wait capped at the Manager's
+    ``timeout`` (the package passes each quorum's own, so the Manager's ``quorum_timeout`` is never read)."""
     import torchft
-    original = torchft.Manager.__init__
+    init, start = torchft.Manager.__init__, torchft.Manager.start_quorum
 
     def __init__(self, *args, **kwargs):
-        kwargs['quorum_timeout'] = kwargs['timeout']
-        original(self, *args, **kwargs)
-    torchft.Manager.__init__ = __init__
+        self.mutant_timeout = kwargs['timeout']
+        init(self, *args, **kwargs)
+
+    def start_quorum(self, allow_heal=True, shrink_only=False, timeout=None):
+        return start(self, allow_heal, shrink_only, min(timeout or self.mutant_timeout, self.mutant_timeout))
+    torchft.Manager.__init__, torchft.Manager.start_quorum = __init__, start_quorum
 
 
 def _synchronous_quorum(replicas):
@@ -253,10 +257,27 @@ def _synchronous_quorum(replicas):
     replica.Replica.__init__ = __init__
 
 
+def _unreported_failure(replicas):
+    """A sum that failed on the process group (a replica lost during it) is not recorded with the Manager: torchft
+    commits the step whose gradients hold only part of the replicas' sum."""
+    from torchbearer_dist.sync import group
+
+    def wait(self):
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception:
+                pass
+        if self.divisor != 1:
+            self.tensor.div_(self.divisor)
+        return self.manager.errored() is None
+    group._QuorumWork.wait = wait
+
+
 #: ``TBD_MUTANT`` names: the bug each one plants.
 MUTANTS = {'configured_count': _configured_count, 'unweighted_metrics': _unweighted_metrics,
            'step_uncommitted': _step_uncommitted, 'quorum_wait': _quorum_wait,
-           'synchronous_quorum': _synchronous_quorum}
+           'synchronous_quorum': _synchronous_quorum, 'unreported_failure': _unreported_failure}
 
 
 def main():

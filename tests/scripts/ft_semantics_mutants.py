@@ -10,7 +10,9 @@ tests fail. About five minutes on a loaded two-core machine (five pytest runs of
 The first three passed every test before issue 42: gradients averaged over the configured replicas instead of
 the live ones, epoch figures averaged without the replicas' samples as weights, optimizers stepped where torchft
 did not commit. The fourth waits one timeout for a quorum where the message says three. The fifth takes the steps'
-quorum at once (torchft's synchronous quorum), where a replica that joins counts in its first step.
+quorum at once (torchft's synchronous quorum), where a replica that joins counts in its first step. The sixth
+drops the failure of a sum started on torchft's process group (a replica lost during it) instead of recording it
+with the Manager, which then commits a step that holds part of the replicas' gradients.
 """
 import os
 import re
@@ -35,6 +37,7 @@ MUTANTS = {
     'step_uncommitted': (SCENARIO, [C]),
     'quorum_wait': (ALONE, [D]),
     'synchronous_quorum': (JOINS, [E]),
+    'unreported_failure': (SCENARIO, [C]),
 }
 
 
