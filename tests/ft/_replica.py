@@ -185,8 +185,6 @@ def signal_in_callback(count, signum):
     start on the process group directly; a program's own through the Manager meet this."""
     import threading
 
-    import torch
-
     from torchbearer_dist.sync import group
     original, calls, sent = group._QuorumWork.wait, [], []
 

@@ -11,13 +11,14 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
+from torch.distributed import TCPStore
 
 from torchbearer_dist.ft import _events, _quiet, _torchft, _watch
 from torchbearer_dist.ft._heal import Refused
 from torchbearer_dist.runtime import _peers
 from torchbearer_dist.runtime._timing import poll
 from torchbearer_dist.runtime.network import route_source
+from torchbearer_dist.sync.group import start_sum
 
 #: A quorum may take this many ``timeout``\ s: the others may be stuck up to one ``timeout`` in a collective
 #: with a lost peer, and the lighthouse waits for them (its join timeout, at least one ``timeout``).
@@ -299,14 +300,7 @@ class Replica:
         all-reduce leaves their values out of a deferred quorum's step): ``(rank, size)`` of this replica among
         them come from :meth:`members`. False where it failed (torchft then drops the step).
         """
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
-        try:
-            self.group.allreduce([tensor], options).wait()
-        except Exception as e:  # a replica lost meanwhile: torchft's error for the step, as its own all-reduce does
-            self.manager.report_error(e)
-            return False
-        return self.manager.errored() is None
+        return start_sum(self.group, self.manager, tensor).wait()
 
     def members(self):
         """``(rank, size)``: this replica's place among every replica of the quorum, those that heal in it too;

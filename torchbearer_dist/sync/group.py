@@ -134,6 +134,25 @@ class _QuorumWork:
         return self.manager.errored() is None
 
 
+def start_sum(process_group, manager, tensor, divisor=1):
+    """Start the sum of ``tensor`` in place over every member of ``process_group``, a torchft process group that
+    ``manager`` (its Manager) set up for the quorum, divided by ``divisor`` at the end. A failure, where it starts
+    or while it runs, is recorded with the Manager (``report_error``), as torchft's own collectives do, so that
+    ``should_commit()`` drops the step on every replica.
+
+    Returns:
+        the sum in flight: ``wait()`` never raises, and returns whether the result holds every member's part
+    """
+    options = AllreduceOptions()
+    options.reduceOp = SUM
+    try:
+        work = process_group.allreduce([tensor], options)
+    except Exception as error:  # its quorum's group could not be set up: the step fails on every replica
+        manager.report_error(error)
+        work = None
+    return _QuorumWork(manager, work, tensor, divisor)
+
+
 class DistGroup:
     """The ranks of a ``torch.distributed`` process group: the fail-fast mode's group.
 
@@ -332,23 +351,13 @@ class QuorumGroup:
         not participate)."""
         manager = self.manager
         if self.process_group is None:
-            work = manager.allreduce(tensor, reduce_op=op)
-        elif manager.errored() is not None:  # torchft's rule: after a failure, the step's collectives do nothing
-            work = None
-        else:
-            manager.wait_quorum()
-            if not manager.is_participating():
-                tensor.zero_()
-            options = AllreduceOptions()
-            options.reduceOp = SUM
-            try:
-                work = self.process_group.allreduce([tensor], options)
-            except Exception as error:  # its quorum's group could not be set up: the step fails on every replica
-                manager.report_error(error)
-                work = None
-            if op == AVG:
-                divisor = manager.num_participants()
-        return _QuorumWork(manager, work, tensor, divisor)
+            return _QuorumWork(manager, manager.allreduce(tensor, reduce_op=op), tensor, divisor)
+        if manager.errored() is not None:  # torchft's rule: after a failure, the step's collectives do nothing
+            return _QuorumWork(manager, None, tensor, divisor)
+        manager.wait_quorum()
+        if not manager.is_participating():
+            tensor.zero_()
+        return start_sum(self.process_group, manager, tensor, manager.num_participants() if op == AVG else divisor)
 
     def all_gather(self, output, tensor):
         """Every live replica's ``tensor``, stacked in ``output`` by rank in the quorum (see
